@@ -1,0 +1,1 @@
+"""The gateway's own HTTP API under /_gateway/."""

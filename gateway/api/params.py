@@ -1,0 +1,106 @@
+"""Query-string and JSON-body parsing for /_gateway/v1: anything off is `400 invalid_request`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.store.base import parse_rfc3339
+
+MAX_LIMIT = 1000
+
+
+def only(request: web.Request, allowed: Iterable[str]) -> dict[str, str]:
+    """The query as a dict; an unknown or repeated parameter is refused."""
+    allowed = set(allowed)
+    params: dict[str, str] = {}
+    for name, value in request.query.items():
+        if name not in allowed:
+            raise errors.InvalidRequest(f"unknown parameter {name!r}; known: {sorted(allowed)}")
+        if name in params:
+            raise errors.InvalidRequest(f"parameter {name!r} was given twice")
+        params[name] = value
+    return params
+
+
+def limit(params: dict[str, str]) -> int:
+    value = params.get("limit", "100")
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_LIMIT:
+        raise errors.InvalidRequest(f"limit {value!r}: a whole number from 1 to {MAX_LIMIT}")
+    return int(value)
+
+
+def integer(params: dict[str, str], name: str) -> int | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or len(value) > 19:
+        raise errors.InvalidRequest(f"{name} {value!r}: a non-negative whole number")
+    return int(value)
+
+
+def moment(params: dict[str, str], name: str) -> float | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    try:
+        return parse_rfc3339(value)
+    except ValueError:
+        raise errors.InvalidRequest(f"{name} {value!r}: an RFC 3339 time with a zone, "
+                                    "e.g. 2026-08-29T05:07:00.000Z") from None
+
+
+def encode_cursor(position: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"after": position}).encode()).decode().rstrip("=")
+
+
+def decode_cursor(params: dict[str, str]) -> str | None:
+    value = params.get("cursor")
+    if value is None:
+        return None
+    try:
+        decoded = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
+        position = decoded["after"]
+    except (binascii.Error, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise errors.InvalidRequest(f"cursor {value!r} is not one this gateway gave out") \
+            from None
+    if not isinstance(position, str):
+        raise errors.InvalidRequest(f"cursor {value!r} is not one this gateway gave out")
+    return position
+
+
+def page(items: list[dict[str, Any]], size: int, key: str) -> dict[str, Any]:
+    """`next_cursor` is set exactly when the page is full."""
+    cursor = encode_cursor(items[-1][key]) if len(items) == size else None
+    return {"items": items, "next_cursor": cursor}
+
+
+async def json_body(request: web.Request, fields: dict[str, type | tuple[type, ...]],
+                    required: Iterable[str]) -> dict[str, Any]:
+    """A JSON object with only `fields` (name -> accepted types), `required` present."""
+    try:
+        raw = await request.read()
+        body = json.loads(raw) if raw else {}
+    except (ValueError, UnicodeDecodeError):
+        raise errors.InvalidRequest("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise errors.InvalidRequest("the body must be a JSON object")
+    for name, value in body.items():
+        if name not in fields:
+            raise errors.InvalidRequest(f"unknown field {name!r}; known: {sorted(fields)}")
+        accepted = fields[name]
+        if isinstance(value, bool) and bool not in (accepted if isinstance(accepted, tuple)
+                                                    else (accepted,)):
+            raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")
+        if not isinstance(value, accepted):
+            raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")
+    for name in required:
+        if name not in body:
+            raise errors.InvalidRequest(f"{name!r} is required")
+    return body

@@ -1,0 +1,118 @@
+"""The command line (SPEC 12). Bad arguments or configuration: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+EXIT_CONFIG = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"fence-gateway: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fence-gateway",
+                     description="A fencing reverse proxy for side-effecting tools.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_parser("serve", help="serve the gateway (configured by GATEWAY_* variables)")
+    check = commands.add_parser("check-policies", help="validate policy files and exit")
+    check.add_argument("path", nargs="?", help="a YAML file or folder (default: "
+                                               "GATEWAY_POLICIES or ./policies)")
+    commands.add_parser("hash-key", help="read a client secret on stdin, print its sha256")
+    commands.add_parser("demo", help="play the two-worker race live, with its evidence")
+    from gateway import remote
+
+    remote.add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve()
+        if args.command == "check-policies":
+            return _check_policies(args.path)
+        if args.command == "hash-key":
+            return _hash_key()
+        if args.command == "demo":
+            from gateway import demo
+
+            return demo.main()
+        from gateway import remote
+
+        return remote.run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str) -> int:
+    print(f"fence-gateway: {message}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _settings():
+    from gateway.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = "GATEWAY_" + "_".join(str(p) for p in error["loc"]).upper()
+        raise _Abort(f"{name}: {error['msg']}") from None
+
+
+class _Abort(Exception):
+    pass
+
+
+def _serve() -> int:
+    from gateway import logs
+    from gateway.policy import PolicyError, load_policies
+    from gateway.serve import ConfigError, check_open_bind, serve
+
+    try:
+        settings = _settings()
+        logs.configure(settings.log_format, settings.log_level)
+        warnings: list[str] = []
+        policies = load_policies(settings.policies, warnings=warnings)
+        for warning in warnings:
+            logs.event("policy_warning", 30, detail=warning)
+        check_open_bind(settings)
+        asyncio.run(serve(settings, policies))
+    except (_Abort, PolicyError, ConfigError) as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _check_policies(path: str | None) -> int:
+    from gateway.policy import PolicyError, load_policies
+
+    try:
+        target = path or _settings().policies
+        warnings: list[str] = []
+        policies = load_policies(target, warnings=warnings)
+    except (_Abort, PolicyError) as exc:
+        return _fail(str(exc))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"ok: {len(policies.upstreams)} upstreams, {len(policies.rules)} resource rules "
+          f"in {target}")
+    return 0
+
+
+def _hash_key() -> int:
+    secret = sys.stdin.read().strip()
+    if not secret:
+        return _fail("hash-key reads the secret from standard input; it was empty")
+    print(hashlib.sha256(secret.encode()).hexdigest())
+    return 0

@@ -1,0 +1,130 @@
+"""Parsing of the headers the gateway reads, and the header sets it strips.
+
+Each parser takes the request's multidict and returns a plain value or raises the SPEC
+section 3 error of that header. A header sent twice is that header's 400.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway import errors
+
+RESOURCE_HEADER = "X-Lease-Resource"
+FENCE_HEADER = "X-Fence-Token"
+SIGNATURE_HEADER = "X-Fence-Signature"
+OWNER_HEADER = "X-Lease-Owner"
+RECEIPT_HEADER = "X-Receipt-Id"
+REQUEST_ID_HEADER = "X-Request-Id"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+MAX_FENCE = 2**63 - 1
+
+# Hop-by-hop headers (RFC 9110 section 7.6.1) plus proxy credentials meant for the gateway.
+HOP_BY_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding",
+    "Upgrade", "Proxy-Authorization", "Proxy-Authenticate",
+))
+
+# Headers a client must never pass to the tool: the gateway sets the ones that matter itself.
+GATEWAY_OWNED = frozenset(h.lower() for h in (
+    FENCE_HEADER, SIGNATURE_HEADER, RESOURCE_HEADER, OWNER_HEADER, RECEIPT_HEADER,
+    "Forwarded", "X-Forwarded-Host", "Host", "Content-Length",
+))
+
+_RESOURCE_CHARS = re.compile(r"[A-Za-z0-9._\-:@/]{1,256}")
+_OWNER = re.compile(r"[A-Za-z0-9._\-:@/]{1,128}")
+_FENCE = re.compile(r"[1-9][0-9]*")  # ASCII only: re with str patterns needs re.ASCII for \d
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def single(headers: Mapping[str, str] | CIMultiDictProxy[str], name: str,
+           error: type[errors.GatewayError]) -> str | None:
+    """The header's one value, None when absent; sent twice is `error`."""
+    values = headers.getall(name, [])  # type: ignore[union-attr]
+    if len(values) > 1:
+        raise error(f"{name} was sent {len(values)} times")
+    return values[0] if values else None
+
+
+def valid_resource(value: str) -> bool:
+    if not _RESOURCE_CHARS.fullmatch(value):
+        return False
+    return all(segment not in ("", ".", "..") for segment in value.split("/"))
+
+
+def parse_resource(headers: CIMultiDictProxy[str]) -> str:
+    value = single(headers, RESOURCE_HEADER, errors.InvalidResource)
+    if value is None:
+        raise errors.MissingResource(f"{RESOURCE_HEADER} is required on a fenced call")
+    if not valid_resource(value):
+        raise errors.InvalidResource(
+            f"{value!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
+            "segments separated by single '/', no '.' or '..' segment")
+    return value
+
+
+def parse_fence_value(value: str) -> int | None:
+    """The token as an int, or None when it is not `[1-9][0-9]*` within 1..2^63-1."""
+    if not _FENCE.fullmatch(value) or len(value) > 19:
+        return None
+    fence = int(value)
+    return fence if fence <= MAX_FENCE else None
+
+
+def parse_fence(headers: CIMultiDictProxy[str]) -> int:
+    value = single(headers, FENCE_HEADER, errors.InvalidFence)
+    if value is None:
+        raise errors.MissingFence(f"{FENCE_HEADER} is required on a fenced call")
+    fence = parse_fence_value(value)
+    if fence is None:
+        raise errors.InvalidFence(
+            f"{value!r} is not a fencing token: a decimal integer from 1 to {MAX_FENCE}")
+    return fence
+
+
+def parse_owner(headers: CIMultiDictProxy[str]) -> str | None:
+    value = single(headers, OWNER_HEADER, errors.InvalidRequest)
+    if value is not None and not _OWNER.fullmatch(value):
+        raise errors.InvalidRequest(f"{OWNER_HEADER} {value!r}: 1 to 128 resource characters")
+    return value
+
+
+def parse_idempotency_key(headers: CIMultiDictProxy[str]) -> str | None:
+    value = single(headers, IDEMPOTENCY_HEADER, errors.InvalidIdempotencyKey)
+    if value is None:
+        return None
+    if not _IDEMPOTENCY_KEY.fullmatch(value) or value.startswith("gw-"):
+        raise errors.InvalidIdempotencyKey(
+            f"{IDEMPOTENCY_HEADER}: 1 to 255 visible ASCII characters, not starting with 'gw-'")
+    return value
+
+
+def parse_signature(headers: CIMultiDictProxy[str]) -> str | None:
+    return single(headers, SIGNATURE_HEADER, errors.BadFenceSignature)
+
+
+def request_id(headers: CIMultiDictProxy[str]) -> str | None:
+    """The client's request id when it is usable, else None (the gateway makes one)."""
+    values = headers.getall(REQUEST_ID_HEADER, [])
+    if len(values) == 1 and _REQUEST_ID.fullmatch(values[0]):
+        return values[0]
+    return None
+
+
+def connection_named(headers: Mapping[str, str] | CIMultiDictProxy[str]) -> set[str]:
+    """Header names listed in `Connection`: hop-by-hop for this one connection."""
+    named: set[str] = set()
+    for value in headers.getall("Connection", []):  # type: ignore[union-attr]
+        named.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return named
+
+
+def strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """A copy without hop-by-hop headers, those named in `Connection`, and `drop`."""
+    removed = HOP_BY_HOP | connection_named(headers) | drop
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in removed)

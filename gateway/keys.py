@@ -1,0 +1,26 @@
+"""Typed application state (`web.AppKey`), named once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from gateway.failpoints import Failpoints
+    from gateway.metrics import Metrics
+    from gateway.ordering import Lanes
+    from gateway.policy import PolicySet
+    from gateway.settings import Settings
+    from gateway.store import Store
+    from gateway.upstream import Upstreams
+
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+POLICIES: web.AppKey[PolicySet] = web.AppKey("policies")
+STORE: web.AppKey[Store] = web.AppKey("store")
+UPSTREAMS: web.AppKey[Upstreams] = web.AppKey("upstreams")
+LANES: web.AppKey[Lanes] = web.AppKey("lanes")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+FAILPOINTS: web.AppKey[Failpoints] = web.AppKey("failpoints")
+# Receipt ids this process has admitted and not yet recorded: never "lost" to the sweeper.
+IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")

@@ -1,0 +1,81 @@
+"""The one place errors become answers: problem+json (RFC 9457) for every error the gateway
+makes, and one log line for every fenced call and every rejection."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from gateway import errors, headers, logs
+
+PROBLEM_TYPE = "application/problem+json"
+
+# aiohttp's own refusals (router, body limits), in the gateway's vocabulary.
+_HTTP_EXCEPTIONS: dict[int, type[errors.GatewayError]] = {
+    404: errors.NotFound, 405: errors.MethodNotAllowed, 413: errors.BodyTooLarge,
+    408: errors.RequestTimeout, 431: errors.HeadersTooLarge,
+}
+
+
+def problem_response(error: errors.GatewayError, request_id: str | None,
+                     presented: dict[str, Any] | None = None) -> web.Response:
+    document: dict[str, Any] = {
+        "type": f"urn:fence-gateway:{error.code}", "title": error.title,
+        "status": error.status, "code": error.code, "detail": error.detail,
+    }
+    for name in ("resource", "fence"):
+        if presented and presented.get(name) is not None:
+            document[name] = presented[name]
+    document["request_id"] = request_id
+    document.update(error.extra)
+    response = web.Response(status=error.status, text=json.dumps(document),
+                            content_type=PROBLEM_TYPE)
+    response.headers.update(error.headers)
+    if request_id:
+        response.headers[headers.REQUEST_ID_HEADER] = request_id
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
+    return response
+
+
+@web.middleware
+async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
+    started = time.perf_counter()
+    error: errors.GatewayError | None = None
+    try:
+        response = await handler(request)
+    except errors.GatewayError as exc:
+        error = exc
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = _HTTP_EXCEPTIONS.get(exc.status, errors.InvalidRequest)(exc.reason)
+    except Exception:  # a bug: answer cleanly, keep the trace in the log only
+        logs.log.exception("unhandled error on %s %s", request.method, request.path)
+        error = errors.GatewayError("the gateway failed unexpectedly; see its log")
+    request_id = request.get("request_id") or headers.request_id(request.headers) \
+        or uuid.uuid4().hex
+    fields = request.get("log_fields")
+    if error is not None:
+        response = problem_response(error, request_id, fields)
+    if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):
+        _log(request, response, error, request_id, fields or {}, started)
+    return response
+
+
+def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
+         request_id: str, fields: dict[str, Any], started: float) -> None:
+    logs.event(
+        "rejected" if error is not None else "call",
+        logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
+        request_id=request_id,
+        receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),
+        client=fields.get("client"), resource=fields.get("resource"), fence=fields.get("fence"),
+        upstream=fields.get("upstream"), method=request.method, path=request.path,
+        status=response.status, code=error.code if error is not None else None,
+        duration_ms=round((time.perf_counter() - started) * 1000, 2))

@@ -1,0 +1,159 @@
+"""Policy files → a validated `PolicySet`, or a `PolicyError` naming file, line and field.
+
+YAML is composed into nodes first so that a pydantic error location (`resources[2].lease.ttl_s`)
+can be traced back to the line it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from gateway.policy.models import PolicyFile, PolicySet, ResourceRule, Upstream
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class PolicyError(Exception):
+    """A policy file is unusable; the message is `file:line: field: problem`."""
+
+
+def policy_files(path: str | Path) -> list[Path]:
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(root.glob("*.yaml"))
+        if not files:
+            raise PolicyError(f"{root}: no *.yaml policy file in this folder")
+        return files
+    if root.is_file():
+        return [root]
+    raise PolicyError(f"{root}: no such policy file or folder")
+
+
+def load_policies(path: str | Path, environ: dict[str, str] | None = None,
+                  warnings: list[str] | None = None) -> PolicySet:
+    """Load, validate and merge every policy file under `path`.
+
+    `environ` resolves `${NAME}` in `inject_headers`; `warnings` collects advice that does
+    not stop the gateway (an external issuer without a signature secret).
+    """
+    env = os.environ if environ is None else environ
+    upstreams: list[Upstream] = []
+    rules: list[ResourceRule] = []
+    seen: dict[tuple[str, str], str] = {}  # (kind, value) -> file:line of first use
+    for file in policy_files(path):
+        document, root = _parse(file)
+        try:
+            parsed = PolicyFile.model_validate(document)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            loc = error["loc"]
+            raise PolicyError(
+                f"{file}:{_line_of(root, loc)}: {_dotted(loc)}: {_describe(error)}") from None
+        for index, upstream in enumerate(parsed.upstreams):
+            where = f"{file}:{_line_of(root, ('upstreams', index))}"
+            for kind, value in (("name", upstream.name), ("mount", upstream.mount)):
+                if (kind, value) in seen:
+                    raise PolicyError(f"{where}: upstreams[{index}].{kind}: {value!r} is "
+                                      f"already used at {seen[kind, value]}")
+                seen[kind, value] = where
+            upstreams.append(_expand(upstream, env, where, index))
+        rules.extend(parsed.resources)
+        for index, rule in enumerate(parsed.resources):
+            where = f"{file}:{_line_of(root, ('resources', index))}"
+            _rule_checks(rule, (where, index), env, warnings)
+    names = {u.name for u in upstreams}
+    for rule in rules:
+        if rule.upstream not in names:
+            raise PolicyError(f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
+                              f" which no policy file declares (known: {sorted(names)})")
+    secrets = {r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()
+               for r in rules if r.lease.hmac_secret_env}
+    return PolicySet(upstreams, rules, secrets)
+
+
+def _rule_checks(rule: ResourceRule, where: tuple[str, int], env: Any,
+                 warnings: list[str] | None) -> None:
+    place, index = where
+    secret_env = rule.lease.hmac_secret_env
+    if rule.lease.issuer == "external" and not secret_env and warnings is not None:
+        warnings.append(
+            f"{place}: resources[{index}]: issuer external without hmac_secret_env: any client "
+            "allowed on it can push the fence to the maximum and lock the resource forever")
+    if secret_env and not env.get(secret_env):
+        raise PolicyError(f"{place}: resources[{index}].lease.hmac_secret_env: "
+                          f"environment variable {secret_env} is not set")
+
+
+def _expand(upstream: Upstream, env: Any, where: str, index: int) -> Upstream:
+    def resolve(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in env:
+            raise PolicyError(f"{where}: upstreams[{index}].inject_headers: "
+                              f"environment variable {name} is not set")
+        return env[name]
+
+    headers = {k: _ENV_REF.sub(resolve, v) for k, v in upstream.inject_headers.items()}
+    for name, value in headers.items():
+        if any(ch in value for ch in "\r\n\0"):
+            raise PolicyError(f"{where}: upstreams[{index}].inject_headers.{name}: "
+                              "value contains CR, LF or NUL")
+    return upstream.model_copy(update={"inject_headers": headers})
+
+
+def _parse(file: Path) -> tuple[Any, yaml.Node | None]:
+    try:
+        text = file.read_text(encoding="utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        document = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"{file}: cannot read: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else 1
+        raise PolicyError(f"{file}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}") \
+            from None
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise PolicyError(f"{file}:1: the top level must be a mapping with upstreams and "
+                          "resources")
+    return document, root
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
+    """The line of the deepest YAML node that `loc` reaches (1-based)."""
+    line = node.start_mark.line + 1 if node is not None else 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
+                and part < len(node.value):
+            node = node.value[part]
+        else:
+            break
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text or "(top level)"
+
+
+def _describe(error: dict[str, Any]) -> str:
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    if "input" in error and not isinstance(error["input"], dict | list):
+        return f"{error['input']!r}: {message}"
+    return message

@@ -1,0 +1,19 @@
+"""Resource globs: `*` matches within one segment, `**` across segments."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1024)
+def compile_glob(pattern: str) -> re.Pattern[str]:
+    parts = re.split(r"(\*\*|\*)", pattern)
+    regex = "".join(
+        ".*" if part == "**" else "[^/]*" if part == "*" else re.escape(part) for part in parts
+    )
+    return re.compile(regex)
+
+
+def glob_matches(pattern: str, resource: str) -> bool:
+    return compile_glob(pattern).fullmatch(resource) is not None

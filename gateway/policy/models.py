@@ -1,0 +1,170 @@
+"""The policy schema (SPEC section 8), validated once at start into frozen typed values.
+
+Request code sees only these models: a bad value is found by `check-policies` or at start,
+never on the first request.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.headers import valid_resource
+from gateway.policy.match import glob_matches
+
+HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Tls(_Model):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+class Upstream(_Model):
+    name: str = Field(pattern=r"^[a-z0-9-]+$")
+    url: str
+    mount: str
+    timeout_s: float = Field(30, gt=0)
+    connect_timeout_s: float = Field(5, gt=0)
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=0)
+    max_connections: int = Field(100, gt=0)
+    inject_headers: dict[str, str] = Field(default_factory=dict)
+    tls: Tls = Field(default_factory=Tls)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL with a host")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{value!r}: no query or fragment in an upstream URL")
+        return value.rstrip("/")
+
+    @field_validator("mount")
+    @classmethod
+    def _mount(cls, value: str) -> str:
+        if not value.startswith("/") or (value != "/" and value.endswith("/")) or "//" in value:
+            raise ValueError(f"{value!r}: a mount is '/' or '/a/b' without a trailing '/'")
+        if any(seg in (".", "..") for seg in value.split("/")):
+            raise ValueError(f"{value!r}: no '.' or '..' segment in a mount")
+        if value == "/_gateway" or value.startswith("/_gateway/") or value == "/":
+            # '/' would swallow /_gateway/ too
+            raise ValueError(f"{value!r}: /_gateway/ belongs to the gateway itself")
+        return value
+
+    @field_validator("inject_headers")
+    @classmethod
+    def _header_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a header name")
+        return value
+
+    @property
+    def authority(self) -> str:
+        return urlsplit(self.url).netloc
+
+
+class Lease(_Model):
+    issuer: Literal["gateway", "external"] = "gateway"
+    ttl_s: float = Field(30, gt=0)
+    max_ttl_s: float = Field(300, gt=0)
+    lock_delay_s: float = Field(0, ge=0)
+    hmac_secret_env: str | None = None
+
+    @model_validator(mode="after")
+    def _ttl(self) -> Lease:
+        if self.ttl_s > self.max_ttl_s:
+            raise ValueError(f"ttl_s {self.ttl_s} is above max_ttl_s {self.max_ttl_s}")
+        if self.hmac_secret_env and self.issuer != "external":
+            raise ValueError("hmac_secret_env applies to issuer: external only")
+        return self
+
+
+class Idempotency(_Model):
+    key: Literal["derive", "random", "require"] = "derive"
+    upstream_header: str = Field("Idempotency-Key", pattern=_HEADER_NAME.pattern)
+    retention_s: float = Field(86400, gt=0)
+    replay_max_bytes: int = Field(65536, ge=0)
+    retry_statuses: frozenset[int] = frozenset({408, 425, 429, 503})
+
+
+class CallTemplate(_Model):
+    method: HttpMethod
+    path: str = Field(pattern=r"^/")
+
+
+class ResourceRule(_Model):
+    match: str
+    upstream: str
+    fenced_methods: frozenset[HttpMethod] = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+    concurrency: Literal["serial", "parallel"] = "parallel"
+    queue_timeout_s: float = Field(30, gt=0)
+    forward_fence_headers: bool = True
+    lease: Lease = Field(default_factory=Lease)
+    idempotency: Idempotency = Field(default_factory=Idempotency)
+    on_expiry: CallTemplate | None = None
+    probe: CallTemplate | None = None
+
+    @field_validator("match")
+    @classmethod
+    def _match(cls, value: str) -> str:
+        probe = value.replace("**", "x").replace("*", "x")
+        if not valid_resource(probe):
+            raise ValueError(f"{value!r} is not a resource glob")
+        return value
+
+    def covers(self, resource: str) -> bool:
+        return glob_matches(self.match, resource)
+
+
+class PolicyFile(_Model):
+    upstreams: list[Upstream] = Field(default_factory=list)
+    resources: list[ResourceRule] = Field(default_factory=list)
+
+
+class PolicySet:
+    """All policy files merged: upstreams by name, mounts longest first, rules in file order."""
+
+    def __init__(self, upstreams: list[Upstream], rules: list[ResourceRule],
+                 hmac_secrets: dict[str, bytes] | None = None) -> None:
+        self.upstreams = {u.name: u for u in upstreams}
+        self.hmac_secrets = hmac_secrets or {}  # env name -> secret, read once at start
+        self.rules = rules
+        self._by_mount = sorted(upstreams, key=lambda u: len(u.mount), reverse=True)
+        self.rules_of = {name: [r for r in rules if r.upstream == name] for name in self.upstreams}
+        self.fenced_methods = {
+            name: frozenset().union(*(r.fenced_methods for r in rules)) if rules else frozenset()
+            for name, rules in self.rules_of.items()
+        }
+
+    def route(self, path: str) -> tuple[Upstream, str] | None:
+        """The upstream whose mount is the longest prefix of `path`, and the rest of it."""
+        for upstream in self._by_mount:
+            mount = upstream.mount
+            if path == mount or (path.startswith(mount) and path[len(mount)] in "/?"):
+                return upstream, path[len(mount):]
+        return None
+
+    def rule_for(self, upstream: str, resource: str) -> ResourceRule | None:
+        for rule in self.rules_of.get(upstream, ()):
+            if rule.covers(resource):
+                return rule
+        return None
+
+    def lease_rule(self, resource: str) -> ResourceRule | None:
+        """The first rule, across all files, that covers `resource` with a gateway issuer."""
+        for rule in self.rules:
+            if rule.lease.issuer == "gateway" and rule.covers(resource):
+                return rule
+        return None

@@ -1,0 +1,134 @@
+"""Moving bytes: the request body in, the upstream's headers out, the response back.
+
+Both fenced and plain calls use these, so there is one way to read a body, one way to build
+the headers the tool receives, and one way to stream an answer back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway import errors
+from gateway.headers import GATEWAY_OWNED, HOP_BY_HOP, connection_named, strip
+from gateway.policy.models import Upstream
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The whole request body as received (de-chunked, never decompressed), within limits."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise errors.BodyTooLarge(f"the body of {declared} bytes is over the limit of {limit}")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.BodyTooLarge(f"the body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise errors.RequestTimeout(f"the body did not arrive within {timeout_s}s") from None
+    except (aiohttp.ClientPayloadError, web.HTTPException, ConnectionError) as exc:
+        raise errors.InvalidRequest(f"the request body broke off: {exc}") from None
+    return b"".join(chunks)
+
+
+def upstream_headers(request: web.Request, upstream: Upstream, drop: frozenset[str],
+                     gateway_set: dict[str, str],
+                     trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+                     ) -> CIMultiDict[str]:
+    """The headers the tool receives (SPEC 3, "Forwarded upstream"), in the SPEC's order."""
+    headers = strip(request.headers, GATEWAY_OWNED | drop)
+    headers["Host"] = upstream.authority
+    for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
+        headers[name] = value  # replaces any value of that name from the client
+    peer = request.remote or ""
+    if _is_trusted(peer, trusted):
+        forwarded_for = [*request.headers.getall("X-Forwarded-For", []), peer]
+        headers["X-Forwarded-For"] = ", ".join(forwarded_for)
+        headers.setdefault("X-Forwarded-Proto", request.scheme)
+    else:
+        headers["X-Forwarded-For"] = peer
+        headers["X-Forwarded-Proto"] = request.scheme
+    return headers
+
+
+def _is_trusted(peer: str, trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+                ) -> bool:
+    if not trusted or not peer:
+        return False
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(address in network for network in trusted)
+
+
+def response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+    """The upstream's answer headers without the hop-by-hop ones."""
+    removed = HOP_BY_HOP | connection_named(upstream.headers)
+    return [(k, v) for k, v in upstream.headers.items() if k.lower() not in removed]
+
+
+@dataclass(slots=True)
+class Head:
+    """An upstream answer's status and first bytes, read before the outcome is recorded."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    prefix: bytes
+    complete: bool   # the body ended within the prefix
+    broken: bool     # the body broke while the prefix was read
+
+
+async def read_head(response: aiohttp.ClientResponse, keep_max: int, deadline: float) -> Head:
+    """Read up to `keep_max` + 1 body bytes: an answer that fits is kept for replay whole."""
+    chunks, size, broken = [], 0, False
+    try:
+        async with asyncio.timeout_at(deadline):
+            while size <= keep_max:
+                chunk = await response.content.read(keep_max + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        broken = True
+    complete = not broken and response.content.at_eof()
+    return Head(response.status, response_headers(response), b"".join(chunks), complete, broken)
+
+
+async def stream_back(request: web.Request, head: Head, rest: aiohttp.ClientResponse | None,
+                      extra: dict[str, str], deadline: float) -> tuple[web.StreamResponse, bool]:
+    """Send the answer to the client; (response, body_broke). A body that breaks after its
+    status went out can only be signalled by aborting the connection."""
+    response = web.StreamResponse(status=head.status)
+    for name, value in head.headers:
+        response.headers.add(name, value)
+    for name, value in extra.items():
+        response.headers[name] = value
+    await response.prepare(request)
+    await response.write(head.prefix)
+    broken = head.broken
+    while rest is not None and not head.complete and not broken:
+        try:  # only the upstream's side counts as the body breaking; a client leaving doesn't
+            async with asyncio.timeout_at(deadline):
+                chunk = await rest.content.readany()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            broken = True
+            break
+        if not chunk:
+            break
+        await response.write(chunk)
+    if broken:
+        if request.transport is not None:
+            request.transport.abort()
+        return response, True
+    await response.write_eof()
+    return response, False

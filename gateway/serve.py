@@ -1,0 +1,74 @@
+"""Running the gateway: bind, serve, and on SIGTERM drain and exit 0 (SPEC 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+
+from aiohttp import web
+
+from gateway import logs
+from gateway.app import create_app
+from gateway.policy import PolicySet
+from gateway.settings import Settings
+
+
+class ConfigError(Exception):
+    """Configuration that keeps the gateway from starting: exit status 2."""
+
+
+def check_open_bind(settings: Settings) -> None:
+    """Without a clients file the gateway is open: only loopback, unless allowed."""
+    if settings.clients:
+        return
+    if not _is_loopback(settings.host) and not settings.allow_open:
+        raise ConfigError(
+            f"refusing to serve {settings.host} without GATEWAY_CLIENTS: anyone who can reach "
+            "it could act as any agent. Set GATEWAY_CLIENTS, bind 127.0.0.1, or set "
+            "GATEWAY_ALLOW_OPEN=true to accept the risk")
+    logs.event("running_open", logging.WARNING,
+               detail="no GATEWAY_CLIENTS: every caller is trusted")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(settings: Settings, policies: PolicySet) -> None:
+    app = create_app(settings, policies)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handler_cancellation=False,  # a call admitted must complete even if the client leaves
+        auto_decompress=False,       # bodies pass byte for byte
+        shutdown_timeout=settings.shutdown_grace_s,
+    )
+    try:
+        await runner.setup()
+    except Exception as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cannot start: {exc}") from exc
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
+    logs.event("serving", host=settings.host, port=settings.port,
+               instance=settings.instance_id, database=settings.database_url,
+               upstreams=",".join(sorted(policies.upstreams)))
+    await stop.wait()
+    logs.event("stopping", detail=f"draining calls for up to {settings.shutdown_grace_s}s")
+    await runner.cleanup()  # stops accepting, lets handlers finish, then closes the store
+    logs.event("stopped")

@@ -1,0 +1,20 @@
+"""Durable state behind one protocol; the backend is chosen by the database URL's scheme."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.store.base import Store, StoreUnavailable
+
+__all__ = ["Store", "StoreUnavailable", "create_store"]
+
+
+def create_store(url: str, *, instance: str, durability: str,
+                 before_commit: Callable[[], None] = lambda: None) -> Store:
+    """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver."""
+    if url.startswith("sqlite:///"):
+        from gateway.store.sqlite import SqliteStore, sqlite_path
+
+        return SqliteStore(sqlite_path(url), instance=instance, durability=durability,
+                           before_commit=before_commit)
+    raise ValueError(f"{url!r}: this build stores on SQLite only (sqlite:///PATH)")

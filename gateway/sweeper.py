@@ -1,0 +1,59 @@
+"""The background upkeep of SPEC 9, one pass every `GATEWAY_SWEEP_INTERVAL_S`:
+
+* refresh this instance's heartbeat;
+* mark expired leases `expired` (and record how long they were held);
+* turn lost `pending` receipts `outcome_unknown`;
+* delete idempotency keys and completed receipts past their retention.
+
+A pass that fails (the store is down) is logged and the next one tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway import errors, keys, logs
+
+SILENT_INTERVALS = 3  # an instance this many intervals without a heartbeat is presumed dead
+
+
+async def sweep_once(app: web.Application) -> None:
+    settings, store, policies = app[keys.SETTINGS], app[keys.STORE], app[keys.POLICIES]
+    metrics = app[keys.METRICS]
+    await store.heartbeat()
+    for lease in await store.expire_leases():
+        metrics.held.observe(max(0.0, lease["held_seconds"]))
+        logs.event("lease_expired", resource=lease["resource"], fence=lease["fence"],
+                   owner=lease["owner"])
+    grace = settings.reconcile_grace_s
+    waits = {name: u.timeout_s + grace for name, u in policies.upstreams.items()}
+    lost = await store.expire_pending(
+        waits, max(waits.values(), default=30.0),
+        SILENT_INTERVALS * settings.sweep_interval_s, frozenset(app[keys.IN_FLIGHT]))
+    if lost:
+        logs.event("receipts_outcome_unknown", logging.WARNING, count=lost)
+    await store.prune(settings.receipt_retention_s)
+
+
+async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: the sweeper runs exactly while the app is up."""
+    task = asyncio.create_task(_loop(app), name="sweeper")
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _loop(app: web.Application) -> None:
+    interval = app[keys.SETTINGS].sweep_interval_s
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await sweep_once(app)
+        except errors.StoreUnavailable as exc:
+            logs.event("sweep_failed", logging.WARNING, error=str(exc))
+        except Exception:
+            logs.log.exception("sweep failed unexpectedly")

@@ -1,0 +1,108 @@
+"""Sending one call to an upstream, at most once, and naming what became of it.
+
+One `ClientSession` per upstream (its own connection pool and limits). Transport errors are
+mapped to SPEC 3's outcomes by whether a connection was in hand when they happened: before
+it, nothing was sent (`not_sent`); after it, the tool may have acted (`outcome_unknown`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from gateway import errors
+from gateway.policy.models import Upstream
+
+# aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
+_SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+@dataclass(slots=True)
+class UpstreamFailure(Exception):
+    """The call failed in transport: `outcome` for the receipt, `error` for the client."""
+
+    outcome: str
+    error: errors.GatewayError
+
+
+async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
+    ctx.trace_request_ctx.connected = True
+
+
+class Upstreams:
+    """The sessions of all upstreams; opened and closed with the app."""
+
+    def __init__(self, upstreams: dict[str, Upstream]) -> None:
+        self._config = upstreams
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+
+    async def open(self) -> None:
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(_on_connection)
+        trace.on_connection_reuseconn.append(_on_connection)
+        for name, upstream in self._config.items():
+            connector = aiohttp.TCPConnector(limit=upstream.max_connections,
+                                             ssl=_ssl_context(upstream))
+            session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, trace_configs=[trace],
+                skip_auto_headers=_SKIP_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s))
+            # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a
+            # reused keep-alive connection turns out dead. A fenced call must reach the tool
+            # at most once, so that retry is switched off (there is no public switch).
+            session._retry_connection = False
+            self._sessions[name] = session
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._sessions.values()))
+        self._sessions.clear()
+
+    async def send(self, upstream: Upstream, method: str, rest: str, headers: CIMultiDict[str],
+                   body: bytes | None, deadline: float) -> aiohttp.ClientResponse:
+        """Send once and return the response with its head read; raise `UpstreamFailure`.
+
+        `rest` is the path after the mount plus the query, forwarded with its encoding as it
+        came; `deadline` (loop time) bounds the whole call, `timeout_s` of the upstream.
+        """
+        state = SimpleNamespace(connected=False)
+        url = URL(upstream.url + rest, encoded=True)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._sessions[upstream.name].request(
+                    method, url, headers=headers, data=body, allow_redirects=False,
+                    trace_request_ctx=state)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _classify(exc, state.connected, upstream) from exc
+
+
+def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
+    if not connected:
+        return UpstreamFailure("not_sent", errors.UpstreamUnreachable(
+            f"upstream {upstream.name} could not be reached: {_describe(exc)}"))
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamFailure("outcome_unknown", errors.UpstreamTimeout(
+            f"upstream {upstream.name} did not answer within {upstream.timeout_s}s; "
+            "the call may have been applied"))
+    return UpstreamFailure("outcome_unknown", errors.UpstreamOutcomeUnknown(
+        f"upstream {upstream.name} broke the connection after the call was sent: "
+        f"{_describe(exc)}; the call may have been applied"))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _ssl_context(upstream: Upstream) -> ssl.SSLContext | None:
+    if not upstream.url.startswith("https:"):
+        return None
+    context = ssl.create_default_context(cafile=upstream.tls.ca_file)
+    if upstream.tls.cert_file:
+        context.load_cert_chain(upstream.tls.cert_file, upstream.tls.key_file)
+    return context
