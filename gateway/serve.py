@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import logs
 from gateway.app import create_app
+from gateway.http_server import GatewayRunner
 from gateway.policy import PolicySet
 from gateway.settings import Settings
 
@@ -43,8 +44,10 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(settings: Settings, policies: PolicySet) -> None:
     app = create_app(settings, policies)
-    runner = web.AppRunner(
+    runner = GatewayRunner(
         app,
+        header_timeout_s=settings.header_timeout_s,
+        keepalive_timeout=75,  # idle keep-alive connections; aiohttp's default is an hour
         access_log=None,
         handler_cancellation=False,  # a call admitted must complete even if the client leaves
         auto_decompress=False,       # bodies pass byte for byte

@@ -1,0 +1,410 @@
+"""The library an agent imports to hold a lease and make fenced calls through fence-gateway.
+
+    async with GatewayClient("http://127.0.0.1:8080", key=os.environ["GATEWAY_KEY"]) as gw:
+        async with gw.lease("browser/account-42", owner="run-8f21", ttl_s=30) as lease:
+            page = await lease.post("/browser/sessions/7/click", json={"x": 10, "y": 20})
+            print(page.status, page.json(), page.receipt_id)
+            await slow_model_call()            # renewal keeps running in the background
+            lease.check()                       # before a side effect that is not an HTTP call
+            await lease.post("/browser/sessions/7/type", json={"text": "hi"})
+    # LeaseHeld: the acquire gave up after acquire_timeout_s of polite retries.
+    # LeaseLost: renewal failed or the local deadline passed; raised before any byte is sent.
+    # GatewayError: any other problem+json the gateway answered (code = SPEC section 5 code).
+
+Errors (only aiohttp's own transport errors escape untranslated):
+
+    GatewayError(status, code, detail, problem)   status is None when raised locally
+    ├── LeaseHeld    409 lease_held: someone else holds the resource (holder, retry_after)
+    └── LeaseLost    the lease is gone: renewal refused, local deadline passed, or a fenced
+                     call was refused as stale_fence / lease_expired / owner_mismatch / ...
+
+Deadlines are kept on the local monotonic clock, conservatively: a lease's local deadline is
+the moment its acquire (or last successful renewal) was *sent* plus its TTL, which is never
+later than the gateway's own expiry. The gateway's fence check stays the real guard; the local
+check only spares it calls that are certain to be refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from multidict import CIMultiDictProxy
+
+API = "/_gateway/v1"
+RENEW_FRACTION = 1 / 3  # renew at about a third of the TTL: two more chances before expiry
+RENEW_JITTER = 0.15  # ± this fraction, so thousands of workers do not renew together
+# Gateway answers to a fenced call that mean this lease can no longer act.
+LOST_CODES = frozenset({"stale_fence", "lease_expired", "owner_mismatch", "not_lease_holder",
+                        "lease_lost"})
+
+
+class GatewayError(Exception):
+    """A problem+json answer of the gateway, or a refusal raised locally (status None)."""
+
+    def __init__(self, status: int | None, code: str, detail: str,
+                 problem: dict[str, Any] | None = None, retry_after: float | None = None) -> None:
+        super().__init__(f"{code}: {detail}" if status is None else f"{status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+        self.problem: dict[str, Any] = problem or {}
+        self.retry_after = retry_after  # seconds, from the Retry-After header when sent
+
+
+class LeaseHeld(GatewayError):
+    """The resource is leased by someone else; `holder` and `retry_after` say who and how long."""
+
+    @property
+    def holder(self) -> str | None:
+        return self.problem.get("holder")
+
+
+class LeaseLost(GatewayError):
+    """This lease can no longer act; every later fenced call raises it before sending."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A lease record as the gateway returned it (SPEC section 6)."""
+
+    resource: str
+    owner: str
+    fence: int
+    state: str
+    acquired_at: datetime
+    renewed_at: datetime | None
+    expires_at: datetime
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> LeaseInfo:
+        renewed = doc.get("renewed_at")
+        return cls(resource=doc["resource"], owner=doc["owner"], fence=int(doc["fence"]),
+                   state=doc["state"], acquired_at=datetime.fromisoformat(doc["acquired_at"]),
+                   renewed_at=datetime.fromisoformat(renewed) if renewed else None,
+                   expires_at=datetime.fromisoformat(doc["expires_at"]))
+
+    @property
+    def ttl_s(self) -> float:
+        """The TTL the gateway granted, from two of its own timestamps, so clock skew cancels."""
+        return (self.expires_at - (self.renewed_at or self.acquired_at)).total_seconds()
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A proxied call's answer, body read completely (so no connection is left half-read)."""
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def receipt_id(self) -> str | None:
+        return self.headers.get("X-Receipt-Id")
+
+
+def fenced_headers(resource: str, fence: int, owner: str | None = None) -> dict[str, str]:
+    """The headers of a fenced call, for fences issued elsewhere (etcd, Consul, a sequence)."""
+    if isinstance(fence, bool) or not isinstance(fence, int) or not 1 <= fence < 2**63:
+        raise ValueError(f"fence must be an integer from 1 to 2**63-1, got {fence!r}")
+    headers = {"X-Lease-Resource": resource, "X-Fence-Token": str(fence)}
+    if owner is not None:
+        headers["X-Lease-Owner"] = owner
+    return headers
+
+
+def renew_delay(ttl_s: float, rng: random.Random | None = None) -> float:
+    """Seconds until the next renewal: a third of the TTL, ± RENEW_JITTER of it."""
+    jitter = (rng or random).uniform(-RENEW_JITTER, RENEW_JITTER)
+    return ttl_s * RENEW_FRACTION * (1 + jitter)
+
+
+def _retry_after(headers: Any) -> float | None:
+    try:
+        return max(float(headers["Retry-After"]), 0.0)
+    except (KeyError, ValueError):  # absent, or an HTTP-date: the gateway itself sends seconds
+        return None
+
+
+def _error_from(status: int, headers: Any, body: bytes) -> GatewayError:
+    """The exception for a problem+json answer; LeaseHeld and LeaseLost by their codes."""
+    try:
+        problem = json.loads(body) if body else {}
+    except ValueError:
+        problem = {}
+    if not isinstance(problem, dict):
+        problem = {}
+    code = str(problem.get("code", f"http_{status}"))
+    detail = str(problem.get("detail", body[:200].decode("utf-8", "replace")))
+    cls = LeaseHeld if code == "lease_held" else LeaseLost if code in LOST_CODES else GatewayError
+    return cls(status, code, detail, problem, _retry_after(headers))
+
+
+def _is_gateway_problem(headers: Any, body: bytes) -> bool:
+    """A proxied answer the gateway wrote itself, not an upstream's own error."""
+    if not headers.get("Content-Type", "").startswith("application/problem+json"):
+        return False
+    with contextlib.suppress(ValueError, AttributeError):
+        return str(json.loads(body).get("type", "")).startswith("urn:fence-gateway:")
+    return False
+
+
+class GatewayClient:
+    """One aiohttp session to one gateway: lease API calls and proxied calls.
+
+    Pass `session` to share your own (it is then not closed here). `key` goes out as
+    `Authorization: Bearer` on /_gateway/v1 calls and `Proxy-Authorization: Bearer` on
+    proxied ones, as SPEC section 10 asks.
+    """
+
+    def __init__(self, base_url: str, key: str | None = None,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._key = key
+        self._own_session = session is None
+        self.session = session or aiohttp.ClientSession()
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session:
+            await self.session.close()
+
+    def lease(self, resource: str, owner: str, ttl_s: float | None = None, *,
+              acquire_timeout_s: float = 30.0, auto_renew: bool = True) -> Lease:
+        """A lease to use as `async with`; `ttl_s=None` takes the rule's default."""
+        return Lease(self, resource, owner, ttl_s, acquire_timeout_s, auto_renew)
+
+    async def api(self, method: str, path: str, *, json_body: Any = None,
+                  params: dict[str, str] | None = None, headers: dict[str, str] | None = None,
+                  timeout_s: float | None = 10.0) -> Any:
+        """Call /_gateway/v1{path}; the decoded JSON answer (None for 204), or GatewayError."""
+        hdrs = dict(headers or {})
+        if self._key:
+            hdrs["Authorization"] = f"Bearer {self._key}"
+        async with self.session.request(
+                method, f"{self.base_url}{API}{path}", json=json_body, params=params,
+                headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            body = await resp.read()
+            if resp.status >= 400:
+                raise _error_from(resp.status, resp.headers, body)
+            return json.loads(body) if body else None
+
+    async def acquire(self, resource: str, owner: str, ttl_s: float | None = None, *,
+                      idempotency_key: str | None = None) -> LeaseInfo:
+        """One acquire attempt (no retries); LeaseHeld when someone holds it."""
+        body: dict[str, Any] = {"owner": owner}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        hdrs = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        doc = await self.api("POST", _lease_path(resource), json_body=body, headers=hdrs)
+        return LeaseInfo.from_json(doc)
+
+    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float | None = None,
+                    *, timeout_s: float | None = 10.0) -> LeaseInfo:
+        """One renewal; LeaseLost (409 lease_lost) when the lease is no longer this holder's."""
+        body: dict[str, Any] = {"owner": owner, "fence": fence}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        doc = await self.api("PUT", _lease_path(resource), json_body=body, timeout_s=timeout_s)
+        return LeaseInfo.from_json(doc)
+
+    async def release(self, resource: str, owner: str, fence: int) -> None:
+        await self.api("DELETE", _lease_path(resource),
+                       params={"owner": owner, "fence": str(fence)})
+
+    async def get_lease(self, resource: str) -> LeaseInfo:
+        return LeaseInfo.from_json(await self.api("GET", _lease_path(resource)))
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Response:
+        """A proxied call; gateway problem+json raises, any upstream answer is returned."""
+        headers = dict(kwargs.pop("headers", None) or {})
+        if self._key:
+            headers["Proxy-Authorization"] = f"Bearer {self._key}"
+        async with self.session.request(method, f"{self.base_url}{path}", headers=headers,
+                                        **kwargs) as resp:
+            body = await resp.read()
+            if resp.status >= 400 and _is_gateway_problem(resp.headers, body):
+                raise _error_from(resp.status, resp.headers, body)
+            return Response(resp.status, resp.headers, body)
+
+
+def _lease_path(resource: str) -> str:
+    return "/leases/" + quote(resource, safe="/:@")
+
+
+class Lease:
+    """Ownership of one resource: acquire on enter, renew in the background, release on exit."""
+
+    def __init__(self, client: GatewayClient, resource: str, owner: str, ttl_s: float | None,
+                 acquire_timeout_s: float, auto_renew: bool) -> None:
+        self._client, self.resource, self.owner = client, resource, owner
+        self._ttl_s, self._auto_renew = ttl_s, auto_renew
+        self._acquire_timeout_s = acquire_timeout_s
+        self._info: LeaseInfo | None = None
+        self._deadline = 0.0  # time.monotonic() after which the lease counts as lost
+        self._lost_reason: str | None = None
+        self._gone_on_server = False  # the gateway said so: releasing would only be refused
+        self._released = False
+        self._renewer: asyncio.Task[None] | None = None
+
+    @property
+    def fence(self) -> int:
+        return self._held().fence
+
+    @property
+    def expires_at(self) -> datetime:
+        """The gateway's expiry (its clock); `remaining_s` is the local, conservative one."""
+        return self._held().expires_at
+
+    @property
+    def remaining_s(self) -> float:
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    @property
+    def lost(self) -> bool:
+        if self._lost_reason is None and self._info is not None \
+                and time.monotonic() >= self._deadline:
+            self._lost_reason = "expired: no successful renewal within the TTL"
+        return self._lost_reason is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost_reason if self.lost else None
+
+    def check(self) -> None:
+        """Raise LeaseLost unless this lease may still act; call it before every side effect."""
+        if self.lost:
+            raise LeaseLost(None, "lease_lost", f"{self.resource}: {self._lost_reason}")
+
+    def _held(self) -> LeaseInfo:
+        if self._info is None:
+            raise RuntimeError(f"lease on {self.resource} was not acquired")
+        return self._info
+
+    async def __aenter__(self) -> Lease:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.release()
+
+    async def acquire(self) -> None:
+        """Acquire, retrying politely on lease_held (Retry-After plus jitter) until the timeout.
+
+        One Idempotency-Key per attempt, reused when the answer was lost in transit so the
+        retry returns the same lease; a fresh key after a definite lease_held answer.
+        """
+        give_up = time.monotonic() + self._acquire_timeout_s
+        key, first_sent, failures = uuid.uuid4().hex, None, 0
+        while True:
+            if first_sent is None:  # a retried key's lease dates from that key's first send
+                first_sent = time.monotonic()
+            try:
+                info = await self._client.acquire(self.resource, self.owner, self._ttl_s,
+                                                  idempotency_key=key)
+                break
+            except LeaseHeld as exc:
+                failure: Exception = exc
+                wait = (exc.retry_after or 1.0) * random.uniform(1.0, 1.25)
+                key, first_sent = uuid.uuid4().hex, None
+            except (GatewayError, aiohttp.ClientError, TimeoutError) as exc:
+                if isinstance(exc, GatewayError) and (exc.status or 0) < 500:
+                    raise  # a refusal (bad ttl, resource not allowed): retrying cannot help
+                failure, failures = exc, failures + 1
+                wait = min(0.1 * 2 ** failures, 2.0) * random.uniform(0.5, 1.0)
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                raise failure
+            await asyncio.sleep(min(wait, remaining))
+        self._info, self._deadline, self._lost_reason = info, first_sent + info.ttl_s, None
+        if self._auto_renew:
+            self._renewer = asyncio.create_task(self._renew_loop(),
+                                                name=f"renew {self.resource}")
+
+    async def renew(self) -> None:
+        """Renew once; a 4xx answer (lease_lost) or a missed local deadline marks it lost."""
+        self.check()
+        sent = time.monotonic()
+        try:
+            info = await self._client.renew(self.resource, self.owner, self.fence, self._ttl_s,
+                                            timeout_s=max(self._deadline - sent, 0.001))
+        except GatewayError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                self._lost_reason, self._gone_on_server = f"renewal refused: {exc.code}", True
+                raise LeaseLost(exc.status, exc.code, exc.detail, exc.problem) from exc
+            raise
+        self.check()  # an answer arriving after the deadline does not revive the lease
+        self._info, self._deadline = info, sent + info.ttl_s
+
+    async def _renew_loop(self) -> None:
+        """Renew at about a third of the TTL; after a transient failure, retry sooner."""
+        delay = renew_delay(self._held().ttl_s)
+        while not self.lost:
+            await asyncio.sleep(delay)
+            try:
+                await self.renew()
+                delay = renew_delay(self._held().ttl_s)
+            except LeaseLost:
+                return
+            except (GatewayError, aiohttp.ClientError, TimeoutError):
+                delay = max(min(renew_delay(self._held().ttl_s), self.remaining_s / 3), 0.05)
+
+    async def release(self) -> None:
+        """Stop renewing and release, best effort: expiry is the real recovery path."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+        if self._info is None or self._released:
+            return
+        self._released = True
+        if not self._gone_on_server:
+            with contextlib.suppress(GatewayError, aiohttp.ClientError, TimeoutError):
+                await self._client.release(self.resource, self.owner, self.fence)
+        if self._lost_reason is None:
+            self._lost_reason = "released"
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Response:
+        """A fenced call through the gateway; LeaseLost is raised before anything is sent."""
+        self.check()
+        headers = dict(kwargs.pop("headers", None) or {})
+        headers.update(fenced_headers(self.resource, self.fence, self.owner))
+        try:
+            return await self._client.request(method, path, headers=headers, **kwargs)
+        except LeaseLost as exc:
+            self._lost_reason = f"gateway refused a fenced call: {exc.code}"
+            self._gone_on_server = True
+            raise
+
+    async def post(self, path: str, **kwargs: Any) -> Response:
+        return await self.request("POST", path, **kwargs)
+
+    async def put(self, path: str, **kwargs: Any) -> Response:
+        return await self.request("PUT", path, **kwargs)
+
+    async def patch(self, path: str, **kwargs: Any) -> Response:
+        return await self.request("PATCH", path, **kwargs)
+
+    async def delete(self, path: str, **kwargs: Any) -> Response:
+        return await self.request("DELETE", path, **kwargs)
