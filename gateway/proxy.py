@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -92,17 +93,19 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     upstream = target.upstream
     started = time.perf_counter()
     resource = headers.parse_resource(request.headers)
-    fence = headers.parse_fence(request.headers)
-    facts = {"resource": resource, "fence": fence, "upstream": upstream.name}
-    request["log_fields"] = facts
+    request["log_fields"] = facts = {"resource": resource, "upstream": upstream.name}
     rule = app[keys.POLICIES].rule_for(upstream.name, resource)
-    rejection = Rejection(resource=resource, fence=fence, owner=None, client=None,
-                          upstream=upstream.name, method=request.method, path=target.rest,
-                          code="", http_status=0)
+    if rule is None:  # step 2 comes before the fence is even looked at
+        not_allowed = errors.ResourceNotAllowed(
+            f"no resource rule of upstream {upstream.name} matches {resource!r}")
+        with contextlib.suppress(errors.GatewayError):
+            facts["fence"] = headers.parse_fence(request.headers)
+            await _keep_rejection(request, _rejection(request, target, resource,
+                                                      facts["fence"]), not_allowed)
+        raise not_allowed
+    facts["fence"] = fence = headers.parse_fence(request.headers)
+    rejection = _rejection(request, target, resource, fence)
     try:
-        if rule is None:
-            raise errors.ResourceNotAllowed(
-                f"no resource rule of upstream {upstream.name} matches {resource!r}")
         owner = headers.parse_owner(request.headers)
         rejection = _with(rejection, owner=owner)
         client_key = headers.parse_idempotency_key(request.headers)
@@ -310,6 +313,13 @@ def _body_or_none(request: web.Request, body: bytes) -> bytes | None:
     """Send a body only when the client framed one: a bare GET stays without Content-Length."""
     framed = request.content_length is not None or "Transfer-Encoding" in request.headers
     return body if framed or body else None
+
+
+def _rejection(request: web.Request, target: Target, resource: str, fence: int) -> Rejection:
+    """What a `rejected` receipt records once resource and fence are readable."""
+    return Rejection(resource=resource, fence=fence, owner=None, client=None,
+                     upstream=target.upstream.name, method=request.method, path=target.rest,
+                     code="", http_status=0)
 
 
 def _with(rejection: Rejection, **changes: object) -> Rejection:
