@@ -13,6 +13,7 @@ from hashlib import sha256
 from urllib.parse import unquote
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway import admission, errors, headers, keys, logs
 from gateway.ordering import Lane
@@ -281,10 +282,8 @@ _REFUSAL_DETAIL = {
 
 
 def _replay(replayed: Replayed, request_id: str, key: str, fence: int) -> web.Response:
-    response = web.Response(status=replayed.status, body=replayed.body)
-    for name, value in replayed.headers:
-        if name.lower() != "content-length":
-            response.headers.add(name, value)
+    stored = CIMultiDict((k, v) for k, v in replayed.headers if k.lower() != "content-length")
+    response = web.Response(status=replayed.status, body=replayed.body, headers=stored)
     response.headers.update({"Idempotent-Replayed": "true",
                              headers.RECEIPT_HEADER: replayed.receipt_id,
                              headers.REQUEST_ID_HEADER: request_id,

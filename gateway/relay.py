@@ -113,19 +113,22 @@ async def stream_back(request: web.Request, head: Head, rest: aiohttp.ClientResp
         response.headers.add(name, value)
     for name, value in extra.items():
         response.headers[name] = value
-    await response.prepare(request)
-    await response.write(head.prefix)
     broken = head.broken
-    while rest is not None and not head.complete and not broken:
-        try:  # only the upstream's side counts as the body breaking; a client leaving doesn't
-            async with asyncio.timeout_at(deadline):
-                chunk = await rest.content.readany()
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            broken = True
-            break
-        if not chunk:
-            break
-        await response.write(chunk)
+    try:
+        await response.prepare(request)
+        await response.write(head.prefix)
+        while rest is not None and not head.complete and not broken:
+            try:  # only the upstream's side counts as the body breaking
+                async with asyncio.timeout_at(deadline):
+                    chunk = await rest.content.readany()
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                broken = True
+                break
+            if not chunk:
+                break
+            await response.write(chunk)
+    except ConnectionResetError:
+        return response, False  # the client left; the outcome is recorded already
     if broken:
         if request.transport is not None:
             request.transport.abort()

@@ -1,15 +1,23 @@
-"""The receipt API (SPEC 7): what reconcilers read, and how they resolve lost outcomes."""
+"""The receipt API (SPEC 7): what reconcilers read, and how they resolve lost outcomes.
+
+Reading is plain store queries. Resolving and probing are in `gateway.probe`; this module
+only checks the request and shapes the answer.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import errors, keys
+from gateway import errors, keys, probe
 from gateway.api import params
 from gateway.store.base import ReceiptQuery
 
 STATUSES = frozenset({"pending", "succeeded", "failed", "not_sent", "outcome_unknown",
                       "rejected", "reconciled"})
+_RESOLVE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "outcome": str, "source": str, "note": (str, type(None))}
+MAX_SOURCE = 200
+MAX_NOTE = 4096
 _FILTERS = ("resource", "status", "owner", "idempotency_key", "fence_min", "fence_max", "since",
             "until", "limit", "cursor")
 
@@ -52,3 +60,29 @@ async def get_receipt(request: web.Request) -> web.Response:
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
     items = await request.app[keys.STORE].list_receipts(query)
     return web.json_response(params.page(items, query.limit, "id"))
+
+
+@routes.post("/_gateway/v1/receipts/{id}/resolve")
+async def resolve(request: web.Request) -> web.Response:
+    """A person or a reconciler service says what became of an `outcome_unknown` call."""
+    params.only(request, ())
+    body = await params.json_body(request, _RESOLVE_FIELDS, ("outcome", "source"))
+    outcome, source, note = body["outcome"], body["source"], body.get("note")
+    if outcome not in probe.OUTCOMES:
+        raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(probe.OUTCOMES)}")
+    if not source.strip() or len(source) > MAX_SOURCE or not source.isprintable():
+        raise errors.InvalidRequest(
+            f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters, "
+            "e.g. operator:alice or service:billing-reconciler")
+    if note is not None and len(note) > MAX_NOTE:
+        raise errors.InvalidRequest(f"note: at most {MAX_NOTE} characters")
+    receipt = await probe.resolve(request.app, request.match_info["id"], outcome, source, note)
+    return web.json_response(receipt)
+
+
+@routes.post("/_gateway/v1/receipts/{id}/probe")
+async def probe_receipt(request: web.Request) -> web.Response:
+    """Run the policy's probe: the tool's own record resolves the receipt when it is clear."""
+    params.only(request, ())
+    await params.json_body(request, {}, ())  # no body, or an empty JSON object
+    return web.json_response(await probe.probe(request.app, request.match_info["id"]))

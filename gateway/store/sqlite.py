@@ -342,35 +342,42 @@ class SqliteStore:
         `held_seconds` is how long the lease that was taken over had been held, for metrics.
         Always durable, also in relaxed mode.
         """
+        return await self._write(
+            lambda conn: self._acquire(conn, resource, owner, ttl_s, lock_delay_s, client,
+                                       acquire_key), durable=True)
 
-        def op(conn: sqlite3.Connection) -> tuple[str, dict[str, Any], float | None]:
-            now = time.time()
-            row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-            held_seconds = None
-            if row is not None:
-                if (acquire_key is not None and row["acquire_key"] == acquire_key
-                        and row["client"] == client and row["owner"] == owner):
-                    return "retried", lease_record(row, now), None
-                free = row["state"] == "released" or now >= row["expires_at"] + lock_delay_s
-                if not free:
-                    return "held", lease_record(row, now), None
-                if row["state"] != "released":
-                    held_seconds = min(now, row["expires_at"]) - row["acquired_at"]
-            fences = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
-                                  (resource,)).fetchone()
-            fence = max(fences["issued"], fences["accepted"]) + 1 if fences else 1
-            conn.execute("INSERT INTO fences (resource, issued) VALUES (?, ?) "
-                         "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
-                         (resource, fence))
-            conn.execute(
-                "INSERT OR REPLACE INTO leases (resource, owner, fence, client, acquire_key, "
-                "state, acquired_at, renewed_at, expires_at, ended_at) "
-                "VALUES (?, ?, ?, ?, ?, 'held', ?, ?, ?, NULL)",
-                (resource, owner, fence, client, acquire_key, now, now, now + ttl_s))
-            new = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-            return "acquired", lease_record(new, now), held_seconds
-
-        return await self._write(op, durable=True)
+    def _acquire(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
+                 lock_delay_s: float, client: str | None,
+                 acquire_key: str | None) -> tuple[str, dict[str, Any], float | None]:
+        """The acquire CAS inside a transaction (also the sweeper's claim uses it)."""
+        now = time.time()
+        row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
+        held_seconds = None
+        if row is not None:
+            live = row["state"] == "held" and now < row["expires_at"]
+            # A retry answers with the lease it made only while that lease lives: handing
+            # back an expired or released lease would give the client a dead fence.
+            if (live and acquire_key is not None and row["acquire_key"] == acquire_key
+                    and row["client"] == client and row["owner"] == owner):
+                return "retried", lease_record(row, now), None
+            free = row["state"] == "released" or now >= row["expires_at"] + lock_delay_s
+            if not free:
+                return "held", lease_record(row, now), None
+            if row["state"] == "held":  # taken over before the sweeper marked it expired
+                held_seconds = row["expires_at"] - row["acquired_at"]
+        fences = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
+                              (resource,)).fetchone()
+        fence = max(fences["issued"], fences["accepted"]) + 1 if fences else 1
+        conn.execute("INSERT INTO fences (resource, issued) VALUES (?, ?) "
+                     "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
+                     (resource, fence))
+        conn.execute(
+            "INSERT OR REPLACE INTO leases (resource, owner, fence, client, acquire_key, "
+            "state, acquired_at, renewed_at, expires_at, ended_at) "
+            "VALUES (?, ?, ?, ?, ?, 'held', ?, ?, ?, NULL)",
+            (resource, owner, fence, client, acquire_key, now, now, now + ttl_s))
+        new = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
+        return "acquired", lease_record(new, now), held_seconds
 
     async def renew(self, resource: str, owner: str, fence: int,
                     ttl_s: float) -> dict[str, Any] | None:
@@ -404,6 +411,10 @@ class SqliteStore:
             if owner is not None and (row["owner"] != owner or row["fence"] != fence):
                 return False, None
             if row["state"] != "held":
+                if owner is None and row["state"] == "expired":
+                    # a revoke frees the resource at once: no lock delay after it
+                    conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?",
+                                 (resource,))
                 return True, None
             held = min(now, row["expires_at"]) - row["acquired_at"]
             state = "released" if now < row["expires_at"] or owner is None else "expired"
@@ -446,8 +457,14 @@ class SqliteStore:
 
         return await self._read(op)
 
-    async def expire_leases(self) -> list[dict[str, Any]]:
-        """Mark held leases past expiry `expired`; the ones this call marked, with held time."""
+    async def expire_leases(self, cleanup_delay: CleanupDelay | None = None,
+                            ) -> list[dict[str, Any]]:
+        """Mark held leases past expiry `expired`; the ones this call marked, with held time.
+
+        `cleanup_delay(resource, owner)` says which of them owe a sweeper cleanup (SPEC 9)
+        and after what lock delay: those are scheduled in the same transaction, so a crash
+        between the two can never lose one.
+        """
 
         def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             now = time.time()
@@ -455,6 +472,8 @@ class SqliteStore:
                                 (now,)).fetchall()
             conn.execute("UPDATE leases SET state = 'expired', ended_at = ? "
                          "WHERE state = 'held' AND expires_at <= ?", (now, now))
+            if cleanup_delay is not None:
+                self._schedule_cleanups(conn, rows, cleanup_delay, now)
             return [{**lease_record(r, now),
                      "held_seconds": r["expires_at"] - r["acquired_at"]} for r in rows]
 

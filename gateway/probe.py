@@ -1,0 +1,165 @@
+"""Reconciling lost outcomes (SPEC 7): when a receipt may be resolved, and the policy's probe.
+
+A receipt is `outcome_unknown` when the gateway cannot tell whether the tool acted. Someone
+who can tell resolves it: an operator or a reconciler service by decision (`resolve`), or the
+gateway itself by asking the tool (`probe`). Both go through `resolve` here, so the store's
+atomic check (still `outcome_unknown`, past its grace) guards both the same way.
+
+The probe is the one call the gateway makes on its own initiative. It is a read the policy
+declares (`probe: {method, path}`), sent once through the upstream's own session, with no
+receipt of its own and no idempotency key header (an idempotency layer in the tool could take
+a GET carrying the key of a POST for a reused key). Only an unambiguous answer becomes a
+resolution: 2xx means the tool holds a record of the operation (`applied`), 404 means it holds
+none (`not_applied`). Anything else, a 5xx, a redirect, a broken connection, leaves the
+receipt unknown for a person to decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from typing import Any
+from urllib.parse import quote
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway import errors, headers, keys, logs
+from gateway.policy.models import CallTemplate
+from gateway.store.base import parse_rfc3339, rfc3339
+from gateway.upstream import UpstreamFailure
+
+OUTCOMES = ("applied", "not_applied", "compensated")
+PROBE_SOURCE = "policy:probe"
+# The metric label is the part of `source` before ':'; anything but these kinds is counted as
+# "other", so a free-text source cannot blow up the metric's label set.
+SOURCE_KINDS = frozenset({"operator", "policy", "service"})
+_PLACEHOLDER = re.compile(r"\{(resource|name|idempotency_key|receipt_id|fence)\}")
+
+
+def wait_times(app: web.Application) -> tuple[dict[str, float], float]:
+    """Per upstream, how long after `forwarded_at` a call may still be running upstream:
+    its `timeout_s` + `GATEWAY_RECONCILE_GRACE_S`. The second value is for receipts of an
+    upstream no longer in the policies (the same default as the sweeper's)."""
+    grace = app[keys.SETTINGS].reconcile_grace_s
+    waits = {name: u.timeout_s + grace for name, u in app[keys.POLICIES].upstreams.items()}
+    return waits, max(waits.values(), default=30.0)
+
+
+def refusal(receipt: dict[str, Any], waits: dict[str, float], default_wait: float,
+            now: float) -> str | None:
+    """Why `receipt` cannot be reconciled now, in words for the operator; None when it can."""
+    status = receipt["status"]
+    if status == "reconciled":
+        resolution = receipt["resolution"] or {}
+        return (f"receipt {receipt['id']} is already reconciled "
+                f"({resolution.get('outcome')} by {resolution.get('source')})")
+    if status != "outcome_unknown":
+        return (f"receipt {receipt['id']} is {status}: only outcome_unknown receipts are "
+                "reconciled")
+    started = parse_rfc3339(receipt["forwarded_at"] or receipt["created_at"])
+    ready_at = started + waits.get(receipt["upstream"], default_wait)
+    if now < ready_at:
+        return (f"receipt {receipt['id']} may still be running upstream: it is reconcilable "
+                f"from {rfc3339(ready_at)} (forwarded_at + the upstream's timeout_s + "
+                "GATEWAY_RECONCILE_GRACE_S)")
+    return None
+
+
+def metric_source(source: str) -> str:
+    kind = source.partition(":")[0]
+    return kind if kind in SOURCE_KINDS else "other"
+
+
+async def resolve(app: web.Application, receipt_id: str, outcome: str, source: str,
+                  note: str | None) -> dict[str, Any]:
+    """Reconcile the receipt atomically in the store; the receipt, or NotFound/NotReconcilable."""
+    store = app[keys.STORE]
+    waits, default_wait = wait_times(app)
+    result = await store.resolve(receipt_id, outcome, source, note, waits, default_wait)
+    if result == "not_found":
+        raise errors.NotFound(f"no receipt {receipt_id!r}")
+    if isinstance(result, str):
+        current = await store.get_receipt(receipt_id)
+        detail = refusal(current, waits, default_wait, time.time()) if current else None
+        raise errors.NotReconcilable(detail or f"receipt {receipt_id} is not reconcilable")
+    app[keys.METRICS].reconciliations.labels(outcome, metric_source(source)).inc()
+    logs.event("receipt_reconciled", receipt_id=receipt_id, resource=result["resource"],
+               fence=result["fence"], upstream=result["upstream"], outcome=outcome,
+               source=source)
+    return result
+
+
+async def get_reconcilable(app: web.Application, receipt_id: str) -> dict[str, Any]:
+    """The receipt if it could be resolved now, else NotFound/NotReconcilable."""
+    receipt = await app[keys.STORE].get_receipt(receipt_id)
+    if receipt is None:
+        raise errors.NotFound(f"no receipt {receipt_id!r}")
+    waits, default_wait = wait_times(app)
+    detail = refusal(receipt, waits, default_wait, time.time())
+    if detail is not None:
+        raise errors.NotReconcilable(detail)
+    return receipt
+
+
+def probe_target(template: CallTemplate, receipt: dict[str, Any]) -> str:
+    """The probe's path (after the mount) with the SPEC 8 placeholders filled in.
+
+    `{resource}` and `{idempotency_key}` are percent-encoded whole (a resource has '/', and a
+    client's key may hold any visible ASCII: '/', '?', '#', '%'); `{name}` (the resource's
+    last segment), `{receipt_id}` and `{fence}` only ever hold characters a path segment
+    allows as they are.
+    """
+    resource = receipt["resource"]
+    values = {
+        "resource": quote(resource, safe=""),
+        "name": resource.rsplit("/", 1)[-1],
+        "idempotency_key": quote(receipt["idempotency_key"] or "", safe=""),
+        "receipt_id": receipt["id"],
+        "fence": str(receipt["fence"]),
+    }
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template.path)
+
+
+async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
+    """Ask the tool what became of the receipt's call; resolve it when the answer is clear.
+
+    The answer is the receipt; when it stays unknown, with `"probe": {"status": N}` (and
+    `"error"`, status null, when the probe itself could not get an answer).
+    """
+    receipt = await get_reconcilable(app, receipt_id)
+    upstream = app[keys.POLICIES].upstreams.get(receipt["upstream"])
+    rule = app[keys.POLICIES].rule_for(receipt["upstream"], receipt["resource"])
+    if upstream is None or rule is None or rule.probe is None:
+        raise errors.NotReconcilable(
+            f"the policy has no probe for receipt {receipt_id} (upstream "
+            f"{receipt['upstream']}, resource {receipt['resource']!r}): resolve it instead")
+    template = rule.probe
+    request_id = uuid.uuid4().hex
+    sent: CIMultiDict[str] = CIMultiDict({"Host": upstream.authority,
+                                           headers.RECEIPT_HEADER: receipt_id,
+                                           headers.REQUEST_ID_HEADER: request_id})
+    for name, value in upstream.inject_headers.items():
+        sent[name] = value  # the tool's credentials, as on every proxied call
+    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
+    try:
+        answer = await app[keys.UPSTREAMS].send(upstream, template.method,
+                                                probe_target(template, receipt), sent, None,
+                                                deadline)
+    except UpstreamFailure as failure:
+        logs.event("probe_failed", logging.WARNING, receipt_id=receipt_id,
+                   upstream=upstream.name, request_id=request_id, error=failure.error.detail)
+        return {**receipt, "probe": {"status": None, "error": failure.error.detail}}
+    async with answer:
+        status = answer.status
+    outcome = "applied" if 200 <= status < 300 else "not_applied" if status == 404 else None
+    logs.event("probe_answered", receipt_id=receipt_id, upstream=upstream.name,
+               request_id=request_id, status=status, outcome=outcome)
+    if outcome is None:
+        current = await app[keys.STORE].get_receipt(receipt_id) or receipt
+        return {**current, "probe": {"status": status}}
+    note = f"probe {template.method} answered {status}"
+    return await resolve(app, receipt_id, outcome, PROBE_SOURCE, note)
