@@ -92,7 +92,6 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     app = request.app
     settings, store, metrics = app[keys.SETTINGS], app[keys.STORE], app[keys.METRICS]
     upstream = target.upstream
-    started = time.perf_counter()
     resource = headers.parse_resource(request.headers)
     request["log_fields"] = facts = {"resource": resource, "upstream": upstream.name}
     rule = app[keys.POLICIES].rule_for(upstream.name, resource)
@@ -139,6 +138,7 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
         if request.transport is None or request.transport.is_closing():
             raise errors.InvalidRequest("the client went away before admission")  # nobody hears
         lane.register(fence)
+        started = time.perf_counter()
         result = await store.admit(call)
         metrics.admission.observe(time.perf_counter() - started)
         if isinstance(result, Refused):
