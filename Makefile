@@ -25,7 +25,6 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) var
