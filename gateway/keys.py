@@ -24,3 +24,7 @@ METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 FAILPOINTS: web.AppKey[Failpoints] = web.AppKey("failpoints")
 # Receipt ids this process has admitted and not yet recorded: never "lost" to the sweeper.
 IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")
+
+# Per-request state, set by the proxy handler and read by the middleware's log line.
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+LOG_FIELDS: web.RequestKey[dict[str, object]] = web.RequestKey("log_fields", dict)

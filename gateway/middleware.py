@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, headers, logs
+from gateway import errors, headers, keys, logs
 
 PROBLEM_TYPE = "application/problem+json"
 
@@ -58,9 +58,9 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception:  # a bug: answer cleanly, keep the trace in the log only
         logs.log.exception("unhandled error on %s %s", request.method, request.path)
         error = errors.GatewayError("the gateway failed unexpectedly; see its log")
-    request_id = request.get("request_id") or headers.request_id(request.headers) \
+    request_id = request.get(keys.REQUEST_ID) or headers.request_id(request.headers) \
         or uuid.uuid4().hex
-    fields = request.get("log_fields")
+    fields = request.get(keys.LOG_FIELDS)
     if error is not None:
         response = problem_response(error, request_id, fields)
     if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):

@@ -58,7 +58,7 @@ def route(request: web.Request) -> Target:
 async def handle(request: web.Request) -> web.StreamResponse:
     target = route(request)
     request_id = headers.request_id(request.headers) or uuid.uuid4().hex
-    request["request_id"] = request_id
+    request[keys.REQUEST_ID] = request_id
     policies = request.app[keys.POLICIES]
     if request.method in policies.fenced_methods[target.upstream.name]:
         return await _fenced(request, target, request_id)
@@ -93,7 +93,7 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     settings, store, metrics = app[keys.SETTINGS], app[keys.STORE], app[keys.METRICS]
     upstream = target.upstream
     resource = headers.parse_resource(request.headers)
-    request["log_fields"] = facts = {"resource": resource, "upstream": upstream.name}
+    request[keys.LOG_FIELDS] = facts = {"resource": resource, "upstream": upstream.name}
     rule = app[keys.POLICIES].rule_for(upstream.name, resource)
     if rule is None:  # step 2 comes before the fence is even looked at
         not_allowed = errors.ResourceNotAllowed(
@@ -159,7 +159,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
     store, metrics, failpoints = app[keys.STORE], app[keys.METRICS], app[keys.FAILPOINTS]
     upstream = target.upstream
     receipt_id = admitted.receipt_id
-    request["log_fields"].update(receipt_id=receipt_id)
+    request[keys.LOG_FIELDS].update(receipt_id=receipt_id)
     answer_headers = {headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id,
                       headers.IDEMPOTENCY_HEADER: call.idempotency_key,
                       headers.FENCE_HEADER: str(call.fence)}
@@ -211,7 +211,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
         if broke and not head.broken:
             await _quietly(store.mark_incomplete(receipt_id))
         metrics.requests.labels(upstream.name, "forwarded").inc()
-        request["log_fields"].update(status=head.status)
+        request[keys.LOG_FIELDS].update(status=head.status)
         return response
     finally:
         in_flight.discard(receipt_id)

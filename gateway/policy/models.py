@@ -99,9 +99,23 @@ class Idempotency(_Model):
     retry_statuses: frozenset[int] = frozenset({408, 425, 429, 503})
 
 
+PLACEHOLDERS = frozenset({"resource", "name", "idempotency_key", "receipt_id", "fence"})
+
+
 class CallTemplate(_Model):
+    """A call the gateway makes itself (`on_expiry`, `probe`), with SPEC 8 placeholders."""
+
     method: HttpMethod
     path: str = Field(pattern=r"^/")
+
+    @field_validator("path")
+    @classmethod
+    def _placeholders(cls, value: str) -> str:
+        unknown = set(re.findall(r"\{([^}]*)\}", value)) - PLACEHOLDERS
+        if unknown:
+            raise ValueError(f"unknown placeholder {{{sorted(unknown)[0]}}}; "
+                             f"known: {', '.join(sorted(PLACEHOLDERS))}")
+        return value
 
 
 class ResourceRule(_Model):

@@ -66,6 +66,9 @@ class TestLoad:
          r"upstreams\[0\]\.colour: unknown field"),
         ("resources:\n  - {match: 'x/*', upstream: nope}\n", r"names upstream 'nope'"),
         ("upstreams: [\n", r"p\.yaml:\d+: not valid YAML"),
+        ("upstreams:\n  - {name: a, url: 'http://h', mount: /a}\nresources:\n"
+         "  - match: 'x/*'\n    upstream: a\n    probe: {method: GET, path: '/ops/{key}'}\n",
+         r"p\.yaml:6: resources\[0\]\.probe\.path: '/ops/\{key\}': unknown placeholder"),
         ("- 1\n", r"p\.yaml:1: the top level must be a mapping"),
         ("upstreams:\n  - {name: a, url: 'http://h', mount: /a, "
          "inject_headers: {X-K: '${MISSING}'}}\n", r"environment variable MISSING is not set"),
