@@ -1,0 +1,80 @@
+"""Counting the gateway's fsyncs, to show how many calls share one group commit.
+
+The gateway keeps its batch counter to itself, so the bench counts what a batch costs the disk
+instead: `fsync`/`fdatasync` system calls of the gateway process, read from the kernel's
+syscall tracepoints by `perf stat -p PID`. Unlike strace this does not stop the process on
+every call, so the batching it measures is the batching that happens without it. In strict
+mode each SQLite commit is one `fdatasync` of the WAL (checkpoints add a few), so calls per
+fsync is calls per batch. Where perf is missing or not allowed, the counts are None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+EVENTS = "syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync"
+
+
+def available() -> bool:
+    """perf is installed and may read syscall tracepoints (root, or a permissive kernel)."""
+    if shutil.which("perf") is None:
+        return False
+    probe = subprocess.run(
+        ["perf", "stat", "-x,", "-e", EVENTS, "--", "true"], capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
+class Count:
+    value: int | None = None
+
+
+@contextlib.asynccontextmanager
+async def counting(pid: int, enabled: bool) -> AsyncIterator[Count]:
+    """Count the fsyncs of `pid` while the block runs; `Count.value` is set on exit."""
+    count = Count()
+    if not enabled:
+        yield count
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "perf.csv"
+        perf = await asyncio.create_subprocess_exec(
+            "perf",
+            "stat",
+            "-x,",
+            "-o",
+            str(out),
+            "-e",
+            EVENTS,
+            "-p",
+            str(pid),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(100):  # perf writes its header once the counters are attached
+            if out.exists() and out.stat().st_size:
+                break
+            await asyncio.sleep(0.01)
+        try:
+            yield count
+        finally:
+            perf.send_signal(signal.SIGINT)
+            await perf.wait()
+        count.value = _parse(out.read_text())
+
+
+def _parse(text: str) -> int | None:
+    total, seen = 0, False
+    for line in text.splitlines():
+        fields = line.split(",")
+        if len(fields) > 2 and fields[2].startswith("syscalls:") and fields[0].isdigit():
+            total += int(fields[0])
+            seen = True
+    return total if seen else None
