@@ -163,3 +163,20 @@ class TestListing:
         page = await store.list_receipts(ReceiptQuery(resource="a/1", fence_min=10, limit=3,
                                                       after_id=everything[9]["id"]))
         assert [r["fence"] for r in page] == [13, 16, 19]
+
+
+class TestRetention:
+    """Prune deletes what is settled and old, never what a key or a reconciler still needs."""
+
+    async def test_prune(self, store) -> None:
+        settled = await store.admit(call(1, key="settled"))
+        await store.complete(settled.receipt_id, ok())
+        unknown = await store.admit(call(1, key="unknown"))
+        await store.expire_pending({}, 0, 60, frozenset())
+        rejected = await store.admit(call(1, key="settled", fp="sha256:other"))
+        # every receipt is older than a retention of 0 s; the settled key's retention is 60 s
+        await asyncio.sleep(0.01)
+        assert await store.prune(0) == 1  # only the rejected one: the others hold keys
+        assert await store.get_receipt(rejected.receipt_id) is None
+        assert await store.get_receipt(settled.receipt_id) is not None
+        assert (await store.get_receipt(unknown.receipt_id))["status"] == "outcome_unknown"
