@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway import keys, proxy
-from gateway.api import ops, receipts
+from gateway.api import leases, openapi, ops, receipts
 from gateway.failpoints import Failpoints
 from gateway.metrics import Metrics
 from gateway.middleware import problems
@@ -31,6 +31,8 @@ def create_app(settings: Settings, policies: PolicySet) -> web.Application:
     app.cleanup_ctx.extend([_store_ctx, _upstreams_ctx, sweeper_ctx])
     app.router.add_routes(ops.routes)
     app.router.add_routes(receipts.routes)
+    app.router.add_routes(leases.routes)
+    app.router.add_routes(openapi.routes)
     app.router.add_route("*", "/_gateway/{tail:.*}", _not_found)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
     return app

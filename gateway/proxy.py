@@ -13,7 +13,6 @@ from hashlib import sha256
 from urllib.parse import unquote
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from gateway import admission, errors, headers, keys, logs
 from gateway.ordering import Lane
@@ -148,7 +147,7 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
             raise _refusal(result, rule)
         if isinstance(result, Replayed):
             metrics.requests.labels(upstream.name, "replayed").inc()
-            return _replay(result, request_id, key, fence)
+            return await _replay(request, result, request_id, key, fence)
         return await _forward(request, target, rule, call, body, result, lane, request_id)
 
 
@@ -282,13 +281,14 @@ _REFUSAL_DETAIL = {
 }
 
 
-def _replay(replayed: Replayed, request_id: str, key: str, fence: int) -> web.Response:
-    stored = CIMultiDict((k, v) for k, v in replayed.headers if k.lower() != "content-length")
-    response = web.Response(status=replayed.status, body=replayed.body, headers=stored)
-    response.headers.update({"Idempotent-Replayed": "true",
-                             headers.RECEIPT_HEADER: replayed.receipt_id,
-                             headers.REQUEST_ID_HEADER: request_id,
-                             headers.IDEMPOTENCY_HEADER: key, headers.FENCE_HEADER: str(fence)})
+async def _replay(request: web.Request, replayed: Replayed, request_id: str, key: str,
+                  fence: int) -> web.StreamResponse:
+    """The stored answer, as the tool gave it, marked as a replay."""
+    head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
+    response, _ = await stream_back(request, head, None, {
+        "Idempotent-Replayed": "true", headers.RECEIPT_HEADER: replayed.receipt_id,
+        headers.REQUEST_ID_HEADER: request_id, headers.IDEMPOTENCY_HEADER: key,
+        headers.FENCE_HEADER: str(fence)}, deadline=0)
     return response
 
 

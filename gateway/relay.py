@@ -11,7 +11,7 @@ import ipaddress
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from gateway import errors
@@ -104,11 +104,25 @@ async def read_head(response: aiohttp.ClientResponse, keep_max: int, deadline: f
     return Head(response.status, response_headers(response), b"".join(chunks), complete, broken)
 
 
+class RelayedResponse(web.StreamResponse):
+    """A response carrying the upstream's headers as they were.
+
+    aiohttp gives every non-empty body a `Content-Type: application/octet-stream` when none is
+    set; an answer relayed from the tool must not gain a header the tool did not send.
+    """
+
+    async def _prepare_headers(self) -> None:
+        typed = hdrs.CONTENT_TYPE in self.headers
+        await super()._prepare_headers()
+        if not typed:
+            self.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
 async def stream_back(request: web.Request, head: Head, rest: aiohttp.ClientResponse | None,
                       extra: dict[str, str], deadline: float) -> tuple[web.StreamResponse, bool]:
     """Send the answer to the client; (response, body_broke). A body that breaks after its
     status went out can only be signalled by aborting the connection."""
-    response = web.StreamResponse(status=head.status)
+    response = RelayedResponse(status=head.status)
     for name, value in head.headers:
         response.headers.add(name, value)
     for name, value in extra.items():

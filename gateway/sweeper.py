@@ -1,9 +1,12 @@
 """The background upkeep of SPEC 9, one pass every `GATEWAY_SWEEP_INTERVAL_S`:
 
 * refresh this instance's heartbeat;
-* mark expired leases `expired` (and record how long they were held);
+* mark expired leases `expired` (and record how long they were held), scheduling the rule's
+  `on_expiry` cleanup in the same transaction where there is one;
 * turn lost `pending` receipts `outcome_unknown`;
-* delete idempotency keys and completed receipts past their retention.
+* delete idempotency keys and completed receipts past their retention;
+* start the owed cleanups that are due (`gateway.cleanup`: they run as their own tasks, so a
+  slow cleanup call never holds up the next pass).
 
 A pass that fails (the store is down) is logged and the next one tries again.
 """
@@ -17,15 +20,17 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway import errors, keys, logs
+from gateway.cleanup import Cleaner
 
 SILENT_INTERVALS = 3  # an instance this many intervals without a heartbeat is presumed dead
 
 
-async def sweep_once(app: web.Application) -> None:
+async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> None:
     settings, store, policies = app[keys.SETTINGS], app[keys.STORE], app[keys.POLICIES]
     metrics = app[keys.METRICS]
+    cleaner = cleaner or Cleaner(app)
     await store.heartbeat()
-    for lease in await store.expire_leases():
+    for lease in await store.expire_leases(cleaner.owed_after):
         metrics.held.observe(max(0.0, lease["held_seconds"]))
         logs.event("lease_expired", resource=lease["resource"], fence=lease["fence"],
                    owner=lease["owner"])
@@ -37,22 +42,26 @@ async def sweep_once(app: web.Application) -> None:
     if lost:
         logs.event("receipts_outcome_unknown", logging.WARNING, count=lost)
     await store.prune(settings.receipt_retention_s)
+    await cleaner.start_due()
 
 
 async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the sweeper runs exactly while the app is up."""
-    task = asyncio.create_task(_loop(app), name="sweeper")
+    """cleanup_ctx: the sweeper runs exactly while the app is up; cleanups in flight get the
+    shutdown grace to finish and record their outcomes."""
+    cleaner = Cleaner(app)
+    task = asyncio.create_task(_loop(app, cleaner), name="sweeper")
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    await cleaner.close(app[keys.SETTINGS].shutdown_grace_s)
 
 
-async def _loop(app: web.Application) -> None:
+async def _loop(app: web.Application, cleaner: Cleaner) -> None:
     interval = app[keys.SETTINGS].sweep_interval_s
     while True:
         await asyncio.sleep(interval)
         try:
-            await sweep_once(app)
+            await sweep_once(app, cleaner)
         except errors.StoreUnavailable as exc:
             logs.event("sweep_failed", logging.WARNING, error=str(exc))
         except Exception:

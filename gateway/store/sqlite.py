@@ -16,6 +16,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from gateway.store.base import (
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import lease_record, receipt_record
+
+PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
 
 
 class StoreLocked(Exception):
@@ -68,10 +71,13 @@ class SqliteStore:
         loop = asyncio.get_running_loop()
         self._writer_conn = await loop.run_in_executor(self._writer_pool, self._connect, False)
         self._reader_conn = await loop.run_in_executor(self._reader_pool, self._connect, True)
+        # Recovery runs before the committer and outside it: failpoints model a store that
+        # fails while serving, and a gateway that cannot recover must not start.
+        await loop.run_in_executor(self._writer_pool, self._register_and_recover,
+                                   self._writer_conn)
         self.committer = GroupCommitter(self._writer_conn, self._writer_pool,
                                         relaxed=self._relaxed, before_commit=self._before_commit)
         self.committer.start()
-        await self._write(self._register_and_recover, durable=True)
 
     async def close(self) -> None:
         if self.committer is not None:
@@ -113,9 +119,11 @@ class SqliteStore:
     def _register_and_recover(self, conn: sqlite3.Connection) -> None:
         """At start every `pending` receipt is an earlier run's: this process holds the lock."""
         now = time.time()
+        conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) "
                      "VALUES (?, ?, ?)", (self.instance, now, now))
         conn.execute("UPDATE receipts SET status = 'outcome_unknown' WHERE status = 'pending'")
+        conn.execute("COMMIT")
 
     async def _write(self, op: Callable[[sqlite3.Connection], Any], *,
                      durable: bool = False) -> Any:
@@ -166,6 +174,12 @@ class SqliteStore:
 
         latest = self._key_state(conn, call.resource, call.idempotency_key)
         decision = admission.decide_idempotency(latest, call.fingerprint, call.retry_statuses)
+        if latest is None:
+            # A key pruned after its retention may still have receipts: SPEC 4 counts them.
+            earlier = conn.execute(
+                "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
+                "AND status != 'rejected'", (call.idempotency_key, call.resource)).fetchone()[0]
+            decision = admission.NewAttempt(1 + earlier)
         if isinstance(decision, admission.Replay):
             stored = conn.execute("SELECT http_status, response_headers, response_body "
                                   "FROM receipts WHERE id = ?", (decision.receipt_id,)).fetchone()
@@ -244,13 +258,14 @@ class SqliteStore:
         if row is None:
             return "missing"
         status = row["status"]
-        if status == "reconciled":
-            conn.execute("UPDATE receipts SET error = 'late_outcome' WHERE id = ?",
-                         (receipt_id,))
-            return "late_outcome"
-        late = status == "outcome_unknown"
+        late = status in ("outcome_unknown", "reconciled")
         if late and outcome.status not in ("succeeded", "failed"):
-            return "late"
+            return "late"  # a second "unknown" (or not_sent) teaches nothing: keep the receipt
+        if status == "reconciled":
+            # The resolution stands; the tool's own answer is kept beside it for the alert.
+            conn.execute("UPDATE receipts SET error = 'late_outcome', late = 1, "
+                         "http_status = ? WHERE id = ?", (outcome.http_status, receipt_id))
+            return "late_outcome"
         if status not in ("pending", "outcome_unknown"):
             return "recorded"  # already final: an outcome is recorded once
         headers, body = outcome.response if outcome.response is not None else (None, None)
@@ -479,6 +494,108 @@ class SqliteStore:
 
         return await self._write(op)
 
+    # -- sweeper cleanups (SPEC 9) ---------------------------------------------------------
+    # A row in `cleanups` is a rule's `on_expiry` call still owed for a resource. It is written
+    # in the transaction that marks the lease expired and deleted only once the call is known
+    # to have happened (or a new owner took the resource over), so neither a failed call nor
+    # a restart loses one. The claim re-checks everything in one transaction and takes the
+    # sweeper's lease with the acquire CAS: with several sweepers, one call per attempt.
+
+    def _schedule_cleanups(self, conn: sqlite3.Connection, rows: list[sqlite3.Row],
+                           cleanup_delay: CleanupDelay, now: float) -> None:
+        for row in rows:
+            delay = cleanup_delay(row["resource"], row["owner"])
+            if delay is None:
+                continue
+            # A newer expiry replaces an older owed cleanup: whoever held the resource in
+            # between superseded it, and the newest lease is the one to clean up after.
+            conn.execute(
+                "INSERT INTO cleanups (resource, lease_fence, lease_owner, due_at, attempts, "
+                "sweep_fence, last_error, created_at) VALUES (?, ?, ?, ?, 0, NULL, NULL, ?) "
+                "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
+                "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
+                "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
+                (row["resource"], row["fence"], row["owner"], row["expires_at"] + delay, now))
+
+    async def due_cleanups(self, limit: int) -> list[str]:
+        """Resources whose owed cleanup is due now, the longest due first."""
+        return await self._read(lambda conn: [row["resource"] for row in conn.execute(
+            "SELECT resource FROM cleanups WHERE due_at <= ? ORDER BY due_at LIMIT ?",
+            (time.time(), limit)).fetchall()])
+
+    async def list_cleanups(self) -> list[dict[str, Any]]:
+        """Every owed cleanup, for operators and tests."""
+        return await self._read(lambda conn: [dict(row) for row in conn.execute(
+            "SELECT * FROM cleanups ORDER BY resource").fetchall()])
+
+    async def claim_cleanup(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
+                            recheck_s: float) -> CleanupClaim:
+        """Decide the next step of an owed cleanup and, when it is to be tried, acquire the
+        resource as `owner` (a new fence). Durable like every acquire.
+
+        `recheck_s`: how long to leave the row alone when it must wait (an earlier attempt's
+        outcome is unknown, or the resource is still held).
+        """
+        return await self._write(
+            lambda conn: self._claim_cleanup(conn, resource, owner, ttl_s, lock_delay_s,
+                                             recheck_s), durable=True)
+
+    def _claim_cleanup(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
+                       lock_delay_s: float, recheck_s: float) -> CleanupClaim:
+        now = time.time()
+        row = conn.execute("SELECT * FROM cleanups WHERE resource = ?", (resource,)).fetchone()
+        if row is None or now < row["due_at"]:
+            return CleanupClaim("not_due")
+        later = ("UPDATE cleanups SET due_at = ? WHERE resource = ?", (now + recheck_s, resource))
+        if row["sweep_fence"] is not None:
+            earlier = self._key_state(conn, resource, sweep_key(row["sweep_fence"]))
+            if earlier is not None and earlier.status in ("pending", "outcome_unknown"):
+                conn.execute(*later)
+                return CleanupClaim("waiting", receipt_id=earlier.receipt_id)
+            if earlier is not None and (earlier.status == "succeeded" or (
+                    earlier.status == "reconciled" and earlier.resolution != "not_applied")):
+                conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
+                return CleanupClaim("done", receipt_id=earlier.receipt_id)
+        # Still owed. The lease must be the one this cleanup follows (the expired owner's, or
+        # the sweeper's last attempt); anything newer means a new owner took the resource.
+        expected = row["sweep_fence"] or row["lease_fence"]
+        lease = conn.execute("SELECT owner, fence FROM leases WHERE resource = ?",
+                             (resource,)).fetchone()
+        if lease is None or lease["fence"] != expected:
+            conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
+            return CleanupClaim("superseded", holder=lease["owner"] if lease else None)
+        result, record, _ = self._acquire(conn, resource, owner, ttl_s, lock_delay_s, None, None)
+        if result != "acquired":
+            conn.execute(*later)
+            return CleanupClaim("busy", holder=record["owner"])
+        conn.execute("UPDATE cleanups SET sweep_fence = ?, attempts = attempts + 1 "
+                     "WHERE resource = ?", (record["fence"], resource))
+        return CleanupClaim("claimed", fence=record["fence"], key=sweep_key(record["fence"]),
+                            attempt=row["attempts"] + 1, lease_fence=row["lease_fence"],
+                            lease_owner=row["lease_owner"])
+
+    async def finish_cleanup(self, resource: str, fence: int, done: bool,
+                             retry_at: float | None = None, error: str | None = None) -> None:
+        """After attempt `fence`: forget the cleanup when `done`, else note why and when to
+        look again. A row a newer expiry replaced meanwhile is left alone."""
+
+        def op(conn: sqlite3.Connection) -> None:
+            if done:
+                conn.execute("DELETE FROM cleanups WHERE resource = ? AND sweep_fence = ?",
+                             (resource, fence))
+            else:
+                conn.execute("UPDATE cleanups SET due_at = ?, last_error = ? "
+                             "WHERE resource = ? AND sweep_fence = ?",
+                             (retry_at if retry_at is not None else time.time(), error,
+                              resource, fence))
+
+        await self._write(op)
+
+    async def drop_cleanup(self, resource: str) -> None:
+        """Forget an owed cleanup (its rule no longer has `on_expiry`)."""
+        await self._write(lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = ?",
+                                                    (resource,)))
+
     # -- upkeep (SPEC 9) ----------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
@@ -513,10 +630,14 @@ class SqliteStore:
         def op(conn: sqlite3.Connection) -> int:
             now = time.time()
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now,))
+            # Index range seeks only, and a bounded batch: this runs in the writer thread,
+            # where every admission waits behind it.
             cursor = conn.execute(
-                "DELETE FROM receipts WHERE status IN ('succeeded', 'failed', 'not_sent', "
-                "'rejected', 'reconciled') AND completed_at < ? AND id NOT IN "
-                "(SELECT receipt_id FROM idempotency_keys)", (now - receipt_retention_s,))
+                "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
+                "IN ('succeeded', 'failed', 'not_sent', 'rejected', 'reconciled') AND "
+                "r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM idempotency_keys k "
+                "WHERE k.receipt_id = r.id) LIMIT ?)",
+                (now - receipt_retention_s, PRUNE_BATCH))
             return cursor.rowcount
 
         return await self._write(op)
@@ -529,3 +650,34 @@ class SqliteStore:
 
         return await self._read(op)
 
+
+
+# -- sweeper cleanups (SPEC 9): the values of the section above ----------------------------
+
+CleanupDelay = Callable[[str, str], "float | None"]
+"""(resource, owner of the expired lease) -> the rule's lock delay when a cleanup is owed."""
+
+
+def sweep_key(fence: int) -> str:
+    """The idempotency key of the sweeper's cleanup call under its lease `fence` (SPEC 9)."""
+    return f"gw-sweep-{fence}"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupClaim:
+    """What `claim_cleanup` decided.
+
+    state: `claimed` (the sweeper now holds `fence`: make the call with `key`), `waiting`
+    (an earlier attempt's outcome is pending or unknown: `receipt_id`), `done` (an earlier
+    attempt turned out to have happened), `superseded` (a new owner took the resource; the
+    cleanup is dropped), `busy` (the resource is still held, by `holder`), `not_due`.
+    """
+
+    state: str
+    fence: int | None = None
+    key: str | None = None
+    attempt: int = 0
+    lease_fence: int | None = None
+    lease_owner: str | None = None
+    receipt_id: str | None = None
+    holder: str | None = None

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS receipts (
 CREATE INDEX IF NOT EXISTS receipts_by_resource ON receipts (resource, id);
 CREATE INDEX IF NOT EXISTS receipts_by_status ON receipts (status, id);
 CREATE INDEX IF NOT EXISTS receipts_by_key ON receipts (idempotency_key, id);
+CREATE INDEX IF NOT EXISTS receipts_by_completion ON receipts (status, completed_at);
 
 -- An idempotency key, scoped to its resource, points at its latest non-rejected receipt.
 CREATE TABLE IF NOT EXISTS idempotency_keys (
@@ -62,9 +63,25 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     PRIMARY KEY (resource, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS keys_by_expiry ON idempotency_keys (expires_at);
+CREATE INDEX IF NOT EXISTS keys_by_receipt ON idempotency_keys (receipt_id);
 
 CREATE TABLE IF NOT EXISTS instances (
     id            TEXT PRIMARY KEY,
     started_at    REAL NOT NULL,
     heartbeat_at  REAL NOT NULL
 ) WITHOUT ROWID;
+
+-- Sweeper cleanups (SPEC 9) still owed: a resource whose expired lease's rule has `on_expiry`.
+-- Written with the expiry, deleted once the call is known to have happened or a new owner
+-- took the resource over, so failed calls are retried and restarts lose nothing.
+CREATE TABLE IF NOT EXISTS cleanups (
+    resource     TEXT PRIMARY KEY,
+    lease_fence  INTEGER NOT NULL,            -- the fence of the lease that expired
+    lease_owner  TEXT NOT NULL,
+    due_at       REAL NOT NULL,               -- expires_at + lock_delay_s; later after a try
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    sweep_fence  INTEGER,                     -- the sweeper's lease of the latest attempt
+    last_error   TEXT,
+    created_at   REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS cleanups_by_due ON cleanups (due_at);

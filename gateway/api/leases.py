@@ -1,0 +1,179 @@
+"""The lease API (SPEC 6): the gateway as the issuer of leases and their fences.
+
+Each handler validates everything it is given (problem+json `400` for any bad input), looks
+up the resource's lease settings (the first rule with a `gateway` issuer that covers it, else
+`403 resource_not_allowed`), and makes one store call: the compare-and-swap lives in the
+store, never here. Clients are a later issue: `client` is None for now, but it is passed
+through, so the store already ties a lease to the client that acquired it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gateway import errors, headers, keys
+from gateway.api import params
+from gateway.policy.models import ResourceRule
+from gateway.store.base import parse_rfc3339
+
+STATES = frozenset({"held", "expired", "released"})
+_OWNER_LIMIT = 128
+# The X-Lease-Owner rule of SPEC 3a (headers.py keeps its own copy private).
+_OWNER = re.compile(r"[A-Za-z0-9._\-:@/]{1,128}")
+_NUMBER = (int, float)
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/_gateway/v1/leases/{resource:.+}")
+async def acquire(request: web.Request) -> web.Response:
+    params.only(request, ())
+    resource, rule = _resource(request)
+    key = headers.parse_idempotency_key(request.headers)
+    body = await params.json_body(request, {"owner": str, "ttl_s": _NUMBER}, ("owner",))
+    owner = _owner(body["owner"])
+    ttl_s = _ttl(body, rule)
+    app = request.app
+    metrics = app[keys.METRICS]
+    result, lease, held_seconds = await app[keys.STORE].acquire(
+        resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request),
+        acquire_key=key)
+    if held_seconds is not None:  # took over an expired lease the sweeper had not marked yet
+        metrics.held.observe(max(0.0, held_seconds))
+    if result == "held":
+        metrics.acquisitions.labels("conflict").inc()
+        free_at = parse_rfc3339(lease["expires_at"]) + rule.lease.lock_delay_s
+        raise errors.LeaseHeld(
+            f"{resource!r} is held until its lease expires or is released (also for its "
+            "own owner name: only a retry with the same Idempotency-Key gets that lease)",
+            retry_after=max(1, math.ceil(free_at - time.time())),
+            holder=lease["owner"], expires_at=lease["expires_at"])
+    if result == "retried":
+        return web.json_response(lease, status=200)
+    metrics.acquisitions.labels("acquired").inc()
+    return web.json_response(lease, status=201)
+
+
+@routes.put("/_gateway/v1/leases/{resource:.+}")
+async def renew(request: web.Request) -> web.Response:
+    params.only(request, ())
+    resource, rule = _resource(request)
+    body = await params.json_body(request, {"owner": str, "fence": int, "ttl_s": _NUMBER},
+                                  ("owner", "fence"))
+    owner = _owner(body["owner"])
+    fence = _fence(body["fence"])
+    ttl_s = _ttl(body, rule)
+    metrics = request.app[keys.METRICS]
+    lease = await request.app[keys.STORE].renew(resource, owner, fence, ttl_s)
+    if lease is None:
+        metrics.renewals.labels("lost").inc()
+        raise errors.LeaseLost(f"this lease on {resource!r} is no longer held: it expired, "
+                               "was released, or belongs to another owner")
+    metrics.renewals.labels("renewed").inc()
+    return web.json_response(lease)
+
+
+@routes.delete("/_gateway/v1/leases/{resource:.+}")
+async def release(request: web.Request) -> web.Response:
+    """Release (`?owner=&fence=`) or, with `?force=true`, revoke."""
+    query = params.only(request, ("owner", "fence", "force"))
+    resource, _rule = _resource(request)
+    force = query.get("force", "false")
+    if force not in ("true", "false"):
+        raise errors.InvalidRequest(f"force {force!r}: true or false")
+    store, metrics = request.app[keys.STORE], request.app[keys.METRICS]
+    if force == "true":
+        if "owner" in query or "fence" in query:
+            raise errors.InvalidRequest("a revoke (force=true) takes no owner or fence")
+        _ok, held = await store.release(resource, None, None)
+    else:
+        if "owner" not in query or "fence" not in query:
+            raise errors.InvalidRequest("a release needs ?owner=…&fence=… "
+                                        "(or force=true to revoke)")
+        owner = _owner(query["owner"])
+        fence = headers.parse_fence_value(query["fence"])
+        if fence is None:
+            raise errors.InvalidRequest(f"fence {query['fence']!r}: a whole number from 1 to "
+                                        f"{headers.MAX_FENCE}")
+        ok, held = await store.release(resource, owner, fence)
+        if not ok:
+            raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
+    if held is not None:
+        metrics.held.observe(max(0.0, held))
+    return web.Response(status=204)
+
+
+@routes.get("/_gateway/v1/leases/{resource:.+}")
+async def get_lease(request: web.Request) -> web.Response:
+    params.only(request, ())
+    resource, _rule = _resource(request)
+    lease = await request.app[keys.STORE].get_lease(resource)
+    if lease is None:
+        raise errors.NotFound(f"no lease was ever taken on {resource!r}")
+    return web.json_response(lease)
+
+
+@routes.get("/_gateway/v1/leases")
+async def list_leases(request: web.Request) -> web.Response:
+    query = params.only(request, ("prefix", "state", "limit", "cursor"))
+    state = query.get("state")
+    if state is not None and state not in STATES:
+        raise errors.InvalidRequest(f"state {state!r}: one of {sorted(STATES)}")
+    size = params.limit(query)
+    items = await request.app[keys.STORE].list_leases(
+        query.get("prefix") or None, state, params.decode_cursor(query), size)
+    return web.json_response(params.page(items, size, "resource"))
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _resource(request: web.Request) -> tuple[str, ResourceRule]:
+    resource = request.match_info["resource"]
+    if not headers.valid_resource(resource):
+        raise errors.InvalidResource(
+            f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
+            "segments separated by single '/', no '.' or '..' segment")
+    rule = request.app[keys.POLICIES].lease_rule(resource)
+    if rule is None:
+        raise errors.ResourceNotAllowed(
+            f"no resource rule with a gateway-issued lease covers {resource!r}")
+    return resource, rule
+
+
+def _owner(value: str) -> str:
+    if not _OWNER.fullmatch(value):
+        raise errors.InvalidRequest(f"owner {value!r}: 1 to {_OWNER_LIMIT} of "
+                                    "A-Z a-z 0-9 . _ - : @ /")
+    return value
+
+
+def _fence(value: int) -> int:
+    if not 1 <= value <= headers.MAX_FENCE:
+        raise errors.InvalidRequest(f"fence {value!r}: a whole number from 1 to "
+                                    f"{headers.MAX_FENCE}")
+    return value
+
+
+def _ttl(body: dict[str, Any], rule: ResourceRule) -> float:
+    if "ttl_s" not in body:
+        return rule.lease.ttl_s
+    maximum = rule.lease.max_ttl_s
+    try:
+        ttl_s = float(body["ttl_s"])
+    except OverflowError:  # an integer too large for a float
+        ttl_s = math.inf
+    if not math.isfinite(ttl_s) or not 0 < ttl_s <= maximum:
+        raise errors.InvalidRequest(f"ttl_s {body['ttl_s']!r}: more than 0 and at most {maximum} "
+                                    "(this resource's lease.max_ttl_s)")
+    return ttl_s
+
+
+def _client(_request: web.Request) -> str | None:
+    """The authenticated client's name; None until clients are configured (a later issue)."""
+    return None

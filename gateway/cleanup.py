@@ -1,0 +1,262 @@
+"""Sweeper cleanup (SPEC 9): a rule's `on_expiry` call after a lease expired untaken.
+
+Why it is shaped this way:
+
+* **Nothing is forgotten.** The store writes an owed cleanup in the same transaction that
+  marks the lease expired, and deletes it only when the call is known to have happened
+  (succeeded, or reconciled `applied`/`compensated`) or a new owner took the resource over.
+  A failed call (`not_sent`, non-2xx, refused) is tried again at a later sweep, with backoff;
+  an `outcome_unknown` one waits, untouched, until a reconciler (or a late outcome) settles
+  its receipt. A restart picks up where the last run stopped.
+* **Once, even with several sweepers.** Each attempt is claimed in one store transaction
+  that re-reads the owed row and the earlier attempt's receipt and takes the resource with
+  the acquire CAS, as owner `gateway-sweeper:{instance}`. Only the claim's winner calls.
+* **Like any call.** The sweeper's lease has a new fence, so the former owner is fenced out
+  before anything is sent; the call goes through `store.admit` (own receipt, key
+  `gw-sweep-{fence}`), waits in the resource's lane behind older calls, is sent once, and its
+  outcome is recorded before the lease is released.
+* **Off the sweep loop.** A cleanup call may take the upstream's whole `timeout_s`; it runs
+  as its own task (one per resource) so heartbeats and expiry keep their pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway import admission, errors, headers, keys, logs
+from gateway.policy.models import ResourceRule, Upstream
+from gateway.relay import read_head
+from gateway.store.base import Admitted, Call, Outcome, Refused
+from gateway.upstream import UpstreamFailure
+
+if TYPE_CHECKING:
+    from gateway.store.sqlite import CleanupClaim
+
+SWEEPER_OWNER_PREFIX = "gateway-sweeper:"
+MAX_RETRY_S = 60.0       # the longest wait between two tries of a failing cleanup
+MIN_RECHECK_S = 1.0      # how often an unknown outcome or a held resource is looked at again
+DUE_PER_SWEEP = 100      # owed cleanups started by one sweep at most
+
+
+def sweeper_owner(instance: str) -> str:
+    return f"{SWEEPER_OWNER_PREFIX}{instance}"
+
+
+def render_path(template: str, resource: str, fence: int, key: str,
+                receipt_id: str | None) -> str:
+    """Fill SPEC 8's placeholders. `{receipt_id}` stays literal while `receipt_id` is None:
+    the receipt is made by admission, after the path it records is fixed."""
+    values = {"resource": quote(resource, safe=""), "name": quote(resource.rsplit("/", 1)[-1],
+                                                                  safe=""),
+              "fence": str(fence), "idempotency_key": quote(key, safe="")}
+    if receipt_id is not None:
+        values["receipt_id"] = receipt_id
+    path = template
+    for name, value in values.items():
+        path = path.replace("{" + name + "}", value)
+    return path
+
+
+class Cleaner:
+    """Starts the owed cleanups that are due; one task per resource at a time."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def owed_after(self, resource: str, owner: str) -> float | None:
+        """For the store, inside its transaction: a lease of `owner` on `resource` expired;
+        the lock delay after which its cleanup is due, or None when none is owed. The
+        sweeper's own expired lease owes none: its attempt's row is still there."""
+        if owner.startswith(SWEEPER_OWNER_PREFIX):
+            return None
+        rule = self._app[keys.POLICIES].lease_rule(resource)
+        if rule is None or rule.on_expiry is None:
+            return None
+        return rule.lease.lock_delay_s
+
+    async def start_due(self) -> None:
+        store = self._app[keys.STORE]
+        for resource in await store.due_cleanups(DUE_PER_SWEEP):
+            if resource not in self._tasks:
+                task = asyncio.create_task(self._clean(resource), name=f"cleanup {resource}")
+                self._tasks[resource] = task
+                task.add_done_callback(lambda _t, r=resource: self._tasks.pop(r, None))
+
+    async def close(self, grace_s: float) -> None:
+        """Let cleanups in flight finish (and record their outcomes) for up to `grace_s`."""
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _clean(self, resource: str) -> None:
+        try:
+            await self._attempt(resource)
+        except errors.StoreUnavailable as exc:
+            logs.event("cleanup_store_failed", logging.WARNING, resource=resource,
+                       error=str(exc))
+        except Exception:
+            logs.log.exception("cleanup of %s failed unexpectedly", resource)
+
+    async def _attempt(self, resource: str) -> None:
+        app = self._app
+        settings, store, policies = app[keys.SETTINGS], app[keys.STORE], app[keys.POLICIES]
+        rule = policies.lease_rule(resource)
+        if rule is None or rule.on_expiry is None:
+            await store.drop_cleanup(resource)
+            logs.event("cleanup_dropped", logging.WARNING, resource=resource,
+                       detail="the resource's rule no longer has on_expiry")
+            return
+        upstream = policies.upstreams[rule.upstream]
+        owner = sweeper_owner(settings.instance_id)
+        claim = await store.claim_cleanup(
+            resource, owner, upstream.timeout_s + settings.reconcile_grace_s + rule.lease.ttl_s,
+            rule.lease.lock_delay_s, max(settings.sweep_interval_s, MIN_RECHECK_S))
+        if claim.state == "done":
+            logs.event("cleanup_settled", resource=resource, receipt_id=claim.receipt_id)
+        elif claim.state == "superseded":
+            logs.event("cleanup_superseded", resource=resource, holder=claim.holder,
+                       detail="a new owner took the resource before its cleanup ran")
+        if claim.state != "claimed" or claim.fence is None or claim.key is None:
+            return
+        fence = claim.fence
+        try:
+            outcome, receipt_id = await self._call(rule, upstream, resource, fence, claim.key,
+                                                   owner)
+            await self._settle(rule, upstream, resource, claim, outcome, receipt_id)
+        finally:  # also when cancelled at shutdown: the resource is free again at once
+            await self._release(resource, owner, fence)
+
+    async def _settle(self, rule: ResourceRule, upstream: Upstream, resource: str,
+                      claim: CleanupClaim, outcome: Outcome, receipt_id: str | None) -> None:
+        """Count, log and note the attempt's result on the owed row."""
+        settings, store = self._app[keys.SETTINGS], self._app[keys.STORE]
+        fence = claim.fence or 0
+        result = _result_of(outcome)
+        self._app[keys.METRICS].cleanups.labels(result).inc()
+        fields = {"resource": resource, "fence": fence, "expired_fence": claim.lease_fence,
+                  "expired_owner": claim.lease_owner, "attempt": claim.attempt,
+                  "receipt_id": receipt_id, "upstream": upstream.name,
+                  "method": rule.on_expiry.method if rule.on_expiry else None,
+                  "status": outcome.http_status, "error": outcome.error}
+        if result == "succeeded":
+            await store.finish_cleanup(resource, fence, done=True)
+            logs.event("cleanup_succeeded", **fields)
+        elif result == "unknown":
+            await store.finish_cleanup(resource, fence, done=False, error="outcome_unknown")
+            logs.event("cleanup_outcome_unknown", logging.ERROR, **fields,
+                       detail="waiting for the receipt to be reconciled")
+        else:
+            retry_in = min(settings.sweep_interval_s * 2 ** (claim.attempt - 1), MAX_RETRY_S)
+            await store.finish_cleanup(resource, fence, done=False,
+                                       retry_at=time.time() + retry_in,
+                                       error=outcome.error or f"http_{outcome.http_status}")
+            logs.event("cleanup_failed", logging.ERROR, **fields, retry_in_s=retry_in)
+
+    async def _call(self, rule: ResourceRule, upstream: Upstream, resource: str, fence: int,
+                    key: str, owner: str) -> tuple[Outcome, str | None]:
+        """The on_expiry call through the fenced path: lane, admit, send once, record."""
+        app = self._app
+        store, metrics = app[keys.STORE], app[keys.METRICS]
+        template = rule.on_expiry
+        if template is None:
+            raise ValueError(f"the rule for {resource!r} has no on_expiry")
+        method = template.method
+        recorded_path = render_path(template.path, resource, fence, key, None)
+        call = Call(resource=resource, fence=fence, owner=owner, client=None,
+                    upstream=upstream.name, method=method, path=recorded_path,
+                    issuer="gateway", idempotency_key=key,
+                    fingerprint=admission.fingerprint(method, upstream.mount + recorded_path, b""),
+                    retry_statuses=rule.idempotency.retry_statuses,
+                    retention_s=rule.idempotency.retention_s)
+        async with app[keys.LANES].lane(resource) as lane:
+            if rule.concurrency == "serial" and not await lane.take_turn(rule.queue_timeout_s):
+                return Outcome("not_sent", error="resource_busy"), None
+            lane.register(fence)
+            result = await store.admit(call)
+            if isinstance(result, Refused):
+                return Outcome("not_sent", error=result.code), result.receipt_id
+            if not isinstance(result, Admitted):  # a replay: a fresh fence's key cannot have one
+                return Outcome("not_sent", error="replayed"), result.receipt_id
+            receipt_id = result.receipt_id
+            in_flight = app[keys.IN_FLIGHT]
+            in_flight.add(receipt_id)
+            try:
+                if rule.concurrency == "parallel" and not await lane.wait_for_older(
+                        rule.queue_timeout_s):
+                    outcome = Outcome("not_sent", error="resource_busy")
+                else:
+                    path = render_path(template.path, resource, fence, key, receipt_id)
+                    sent = _upstream_headers(rule, upstream, call, receipt_id)
+                    outcome = await _send(app, upstream, method, path, sent,
+                                          rule.idempotency.replay_max_bytes)
+                if outcome.status == "outcome_unknown":
+                    metrics.outcome_unknown.labels(upstream.name).inc()
+                await store.complete(receipt_id, outcome)
+            finally:
+                in_flight.discard(receipt_id)
+            return outcome, receipt_id
+
+    async def _release(self, resource: str, owner: str, fence: int) -> None:
+        try:
+            await self._app[keys.STORE].release(resource, owner, fence)
+        except errors.StoreUnavailable as exc:  # the lease runs out by itself
+            logs.event("cleanup_release_failed", logging.WARNING, resource=resource,
+                       fence=fence, error=str(exc))
+
+
+def _upstream_headers(rule: ResourceRule, upstream: Upstream, call: Call,
+                      receipt_id: str) -> CIMultiDict[str]:
+    """What a fenced call's tool receives (SPEC 3), for a call no client made."""
+    sent: CIMultiDict[str] = CIMultiDict()
+    sent["Host"] = upstream.authority
+    sent[rule.idempotency.upstream_header] = call.idempotency_key
+    if rule.forward_fence_headers:
+        sent[headers.RESOURCE_HEADER] = call.resource
+        sent[headers.FENCE_HEADER] = str(call.fence)
+    sent[headers.RECEIPT_HEADER] = receipt_id
+    sent[headers.REQUEST_ID_HEADER] = uuid.uuid4().hex
+    for name, value in upstream.inject_headers.items():
+        sent[name] = value
+    return sent
+
+
+async def _send(app: web.Application, upstream: Upstream, method: str, path: str,
+                sent: CIMultiDict[str], keep_max: int) -> Outcome:
+    """Send once; the outcome for the receipt (SPEC 3's table)."""
+    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
+    forwarded_at = time.time()
+    try:
+        answer = await app[keys.UPSTREAMS].send(upstream, method, path, sent, None, deadline)
+    except UpstreamFailure as failure:
+        app[keys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+        return Outcome(failure.outcome, error=failure.error.code,
+                       forwarded_at=None if failure.outcome == "not_sent" else forwarded_at)
+    async with answer:
+        head = await read_head(answer, keep_max, deadline)
+    app[keys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+    return Outcome("succeeded" if 200 <= head.status < 300 else "failed",
+                   http_status=head.status, forwarded_at=forwarded_at,
+                   response=(head.headers, head.prefix) if head.complete else None,
+                   error="response_incomplete" if head.broken else None)
+
+
+def _result_of(outcome: Outcome) -> str:
+    """The cleanups metric's label: succeeded, unknown, or failed (retried later)."""
+    if outcome.status == "succeeded":
+        return "succeeded"
+    if outcome.status == "outcome_unknown":
+        return "unknown"
+    return "failed"
