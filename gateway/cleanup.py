@@ -24,16 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway import admission, errors, headers, keys, logs
+from gateway import admission, errors, keys, logs
+from gateway.headers import new_request_id
 from gateway.policy.models import ResourceRule, Upstream
-from gateway.relay import read_head
+from gateway.relay import fenced_headers, read_head, upstream_headers
 from gateway.store.base import Admitted, Call, Outcome, Refused
 from gateway.upstream import UpstreamFailure
 
@@ -48,21 +47,6 @@ DUE_PER_SWEEP = 100      # owed cleanups started by one sweep at most
 
 def sweeper_owner(instance: str) -> str:
     return f"{SWEEPER_OWNER_PREFIX}{instance}"
-
-
-def render_path(template: str, resource: str, fence: int, key: str,
-                receipt_id: str | None) -> str:
-    """Fill SPEC 8's placeholders. `{receipt_id}` stays literal while `receipt_id` is None:
-    the receipt is made by admission, after the path it records is fixed."""
-    values = {"resource": quote(resource, safe=""), "name": quote(resource.rsplit("/", 1)[-1],
-                                                                  safe=""),
-              "fence": str(fence), "idempotency_key": quote(key, safe="")}
-    if receipt_id is not None:
-        values["receipt_id"] = receipt_id
-    path = template
-    for name, value in values.items():
-        path = path.replace("{" + name + "}", value)
-    return path
 
 
 class Cleaner:
@@ -174,7 +158,7 @@ class Cleaner:
         if template is None:
             raise ValueError(f"the rule for {resource!r} has no on_expiry")
         method = template.method
-        recorded_path = render_path(template.path, resource, fence, key, None)
+        recorded_path = template.render(resource, fence, key)
         call = Call(resource=resource, fence=fence, owner=owner, client=None,
                     upstream=upstream.name, method=method, path=recorded_path,
                     issuer="gateway", idempotency_key=key,
@@ -198,8 +182,9 @@ class Cleaner:
                         rule.queue_timeout_s):
                     outcome = Outcome("not_sent", error="resource_busy")
                 else:
-                    path = render_path(template.path, resource, fence, key, receipt_id)
-                    sent = _upstream_headers(rule, upstream, call, receipt_id)
+                    path = template.render(resource, fence, key, receipt_id)
+                    sent = upstream_headers(None, upstream, frozenset(), fenced_headers(
+                        rule, resource, fence, key, receipt_id, new_request_id()))
                     outcome = await _send(app, upstream, method, path, sent,
                                           rule.idempotency.replay_max_bytes)
                 if outcome.status == "outcome_unknown":
@@ -217,22 +202,6 @@ class Cleaner:
                        fence=fence, error=str(exc))
 
 
-def _upstream_headers(rule: ResourceRule, upstream: Upstream, call: Call,
-                      receipt_id: str) -> CIMultiDict[str]:
-    """What a fenced call's tool receives (SPEC 3), for a call no client made."""
-    sent: CIMultiDict[str] = CIMultiDict()
-    sent["Host"] = upstream.authority
-    sent[rule.idempotency.upstream_header] = call.idempotency_key
-    if rule.forward_fence_headers:
-        sent[headers.RESOURCE_HEADER] = call.resource
-        sent[headers.FENCE_HEADER] = str(call.fence)
-    sent[headers.RECEIPT_HEADER] = receipt_id
-    sent[headers.REQUEST_ID_HEADER] = uuid.uuid4().hex
-    for name, value in upstream.inject_headers.items():
-        sent[name] = value
-    return sent
-
-
 async def _send(app: web.Application, upstream: Upstream, method: str, path: str,
                 sent: CIMultiDict[str], keep_max: int) -> Outcome:
     """Send once; the outcome for the receipt (SPEC 3's table)."""
@@ -241,16 +210,12 @@ async def _send(app: web.Application, upstream: Upstream, method: str, path: str
     try:
         answer = await app[keys.UPSTREAMS].send(upstream, method, path, sent, None, deadline)
     except UpstreamFailure as failure:
-        app[keys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
-        return Outcome(failure.outcome, error=failure.error.code,
-                       forwarded_at=None if failure.outcome == "not_sent" else forwarded_at)
-    async with answer:
-        head = await read_head(answer, keep_max, deadline)
+        outcome = failure.as_outcome(forwarded_at)
+    else:
+        async with answer:
+            outcome = (await read_head(answer, keep_max, deadline)).outcome(forwarded_at)
     app[keys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
-    return Outcome("succeeded" if 200 <= head.status < 300 else "failed",
-                   http_status=head.status, forwarded_at=forwarded_at,
-                   response=(head.headers, head.prefix) if head.complete else None,
-                   error="response_incomplete" if head.broken else None)
+    return outcome
 
 
 def _result_of(outcome: Outcome) -> str:

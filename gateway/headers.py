@@ -6,6 +6,7 @@ section 3 error of that header. A header sent twice is that header's 400.
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping
 
@@ -106,6 +107,11 @@ def parse_idempotency_key(headers: CIMultiDictProxy[str]) -> str | None:
 
 def parse_signature(headers: CIMultiDictProxy[str]) -> str | None:
     return single(headers, SIGNATURE_HEADER, errors.BadFenceSignature)
+
+
+def new_request_id() -> str:
+    """Request ids must be unique, not secret: no system call for randomness per request."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def request_id(headers: CIMultiDictProxy[str]) -> str | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -59,7 +58,7 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
         logs.log.exception("unhandled error on %s %s", request.method, request.path)
         error = errors.GatewayError("the gateway failed unexpectedly; see its log")
     request_id = request.get(keys.REQUEST_ID) or headers.request_id(request.headers) \
-        or uuid.uuid4().hex
+        or headers.new_request_id()
     fields = request.get(keys.LOG_FIELDS)
     if error is not None:
         response = problem_response(error, request_id, fields)

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 from typing import Any
-from urllib.parse import quote
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from gateway import errors, headers, keys, logs
-from gateway.policy.models import CallTemplate
+from gateway.relay import upstream_headers
 from gateway.store.base import parse_rfc3339, rfc3339
 from gateway.upstream import UpstreamFailure
 
@@ -37,7 +33,6 @@ PROBE_SOURCE = "policy:probe"
 # The metric label is the part of `source` before ':'; anything but these kinds is counted as
 # "other", so a free-text source cannot blow up the metric's label set.
 SOURCE_KINDS = frozenset({"operator", "policy", "service"})
-_PLACEHOLDER = re.compile(r"\{(resource|name|idempotency_key|receipt_id|fence)\}")
 
 
 def wait_times(app: web.Application) -> tuple[dict[str, float], float]:
@@ -105,25 +100,6 @@ async def get_reconcilable(app: web.Application, receipt_id: str) -> dict[str, A
     return receipt
 
 
-def probe_target(template: CallTemplate, receipt: dict[str, Any]) -> str:
-    """The probe's path (after the mount) with the SPEC 8 placeholders filled in.
-
-    `{resource}` and `{idempotency_key}` are percent-encoded whole (a resource has '/', and a
-    client's key may hold any visible ASCII: '/', '?', '#', '%'); `{name}` (the resource's
-    last segment), `{receipt_id}` and `{fence}` only ever hold characters a path segment
-    allows as they are.
-    """
-    resource = receipt["resource"]
-    values = {
-        "resource": quote(resource, safe=""),
-        "name": resource.rsplit("/", 1)[-1],
-        "idempotency_key": quote(receipt["idempotency_key"] or "", safe=""),
-        "receipt_id": receipt["id"],
-        "fence": str(receipt["fence"]),
-    }
-    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template.path)
-
-
 async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     """Ask the tool what became of the receipt's call; resolve it when the answer is clear.
 
@@ -138,16 +114,15 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
             f"the policy has no probe for receipt {receipt_id} (upstream "
             f"{receipt['upstream']}, resource {receipt['resource']!r}): resolve it instead")
     template = rule.probe
-    request_id = uuid.uuid4().hex
-    sent: CIMultiDict[str] = CIMultiDict({"Host": upstream.authority,
-                                           headers.RECEIPT_HEADER: receipt_id,
-                                           headers.REQUEST_ID_HEADER: request_id})
-    for name, value in upstream.inject_headers.items():
-        sent[name] = value  # the tool's credentials, as on every proxied call
+    request_id = headers.new_request_id()
+    # the tool's credentials as on every call, but no key or fence: this is a read
+    sent = upstream_headers(None, upstream, frozenset(), {
+        headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id})
+    target = template.render(receipt["resource"], receipt["fence"],
+                             receipt["idempotency_key"] or "", receipt_id)
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
-        answer = await app[keys.UPSTREAMS].send(upstream, template.method,
-                                                probe_target(template, receipt), sent, None,
+        answer = await app[keys.UPSTREAMS].send(upstream, template.method, target, sent, None,
                                                 deadline)
     except UpstreamFailure as failure:
         logs.event("probe_failed", logging.WARNING, receipt_id=receipt_id,

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import random
 import time
 from dataclasses import dataclass, replace
 from hashlib import sha256
@@ -17,7 +16,14 @@ from aiohttp import web
 from gateway import admission, errors, headers, keys, logs
 from gateway.ordering import Lane
 from gateway.policy.models import ResourceRule, Upstream
-from gateway.relay import Head, read_body, read_head, stream_back, upstream_headers
+from gateway.relay import (
+    Head,
+    fenced_headers,
+    read_body,
+    read_head,
+    stream_back,
+    upstream_headers,
+)
 from gateway.store.base import Admitted, Call, Outcome, Refused, Rejection, Replayed
 from gateway.upstream import UpstreamFailure
 
@@ -56,8 +62,7 @@ def route(request: web.Request) -> Target:
 
 async def handle(request: web.Request) -> web.StreamResponse:
     target = route(request)
-    # Request ids need to be unique, not secret: no system call for randomness per request.
-    request_id = headers.request_id(request.headers) or f"{random.getrandbits(128):032x}"
+    request_id = headers.request_id(request.headers) or headers.new_request_id()
     request[keys.REQUEST_ID] = request_id
     policies = request.app[keys.POLICIES]
     if request.method in policies.fenced_methods[target.upstream.name]:
@@ -173,11 +178,8 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
             raise errors.ResourceBusy(
                 f"older calls of {call.resource!r} stayed in flight for {rule.queue_timeout_s}s",
                 retry_after=1, headers=answer_headers)
-        sent = {rule.idempotency.upstream_header: call.idempotency_key,
-                headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id}
-        if rule.forward_fence_headers:
-            sent[headers.RESOURCE_HEADER] = call.resource
-            sent[headers.FENCE_HEADER] = str(call.fence)
+        sent = fenced_headers(rule, call.resource, call.fence, call.idempotency_key,
+                              receipt_id, request_id)
         upstream_sent = upstream_headers(request, upstream, _FENCED_DROP, sent,
                                          app[keys.SETTINGS].trusted_networks)
         loop = asyncio.get_running_loop()
@@ -190,8 +192,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
         except UpstreamFailure as failure:
             metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
-            outcome = Outcome(failure.outcome, error=failure.error.code,
-                              forwarded_at=None if failure.outcome == "not_sent" else forwarded_at)
+            outcome = failure.as_outcome(forwarded_at)
             if failure.outcome == "outcome_unknown":
                 metrics.outcome_unknown.labels(upstream.name).inc()
             unrecorded = not await _record(request, receipt_id, outcome)
@@ -204,7 +205,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
             head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
             metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
-            recorded = await _record(request, receipt_id, _outcome_of(head, forwarded_at))
+            recorded = await _record(request, receipt_id, head.outcome(forwarded_at))
             if not recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
             response, broke = await stream_back(request, head, answer, answer_headers, deadline)
@@ -215,13 +216,6 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
         return response
     finally:
         in_flight.discard(receipt_id)
-
-
-def _outcome_of(head: Head, forwarded_at: float) -> Outcome:
-    keep = (head.headers, head.prefix) if head.complete else None
-    return Outcome("succeeded" if 200 <= head.status < 300 else "failed",
-                   http_status=head.status, forwarded_at=forwarded_at, response=keep,
-                   error="response_incomplete" if head.broken else None)
 
 
 async def _record(request: web.Request, receipt_id: str, outcome: Outcome) -> bool:

@@ -15,8 +15,18 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from gateway import errors
-from gateway.headers import GATEWAY_OWNED, HOP_BY_HOP, connection_named, strip
-from gateway.policy.models import Upstream
+from gateway.headers import (
+    FENCE_HEADER,
+    GATEWAY_OWNED,
+    HOP_BY_HOP,
+    RECEIPT_HEADER,
+    REQUEST_ID_HEADER,
+    RESOURCE_HEADER,
+    connection_named,
+    strip,
+)
+from gateway.policy.models import ResourceRule, Upstream
+from gateway.store.base import Outcome
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -39,15 +49,33 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     return b"".join(chunks)
 
 
-def upstream_headers(request: web.Request, upstream: Upstream, drop: frozenset[str],
+def fenced_headers(rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str,
+                   request_id: str) -> dict[str, str]:
+    """What the gateway itself tells the tool about an admitted call."""
+    sent = {rule.idempotency.upstream_header: key, RECEIPT_HEADER: receipt_id,
+            REQUEST_ID_HEADER: request_id}
+    if rule.forward_fence_headers:
+        sent[RESOURCE_HEADER] = resource
+        sent[FENCE_HEADER] = str(fence)
+    return sent
+
+
+def upstream_headers(request: web.Request | None, upstream: Upstream, drop: frozenset[str],
                      gateway_set: dict[str, str],
-                     trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+                     trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
                      ) -> CIMultiDict[str]:
-    """The headers the tool receives (SPEC 3, "Forwarded upstream"), in the SPEC's order."""
-    headers = strip(request.headers, GATEWAY_OWNED | drop)
+    """The headers the tool receives (SPEC 3, "Forwarded upstream"), in the SPEC's order.
+
+    `request` is None for the calls the gateway makes itself (sweeper cleanups, probes):
+    no client headers, no X-Forwarded-*.
+    """
+    headers = CIMultiDict[str]() if request is None else strip(request.headers,
+                                                                GATEWAY_OWNED | drop)
     headers["Host"] = upstream.authority
     for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
         headers[name] = value  # replaces any value of that name from the client
+    if request is None:
+        return headers
     peer = request.remote or ""
     if _is_trusted(peer, trusted):
         forwarded_for = [*request.headers.getall("X-Forwarded-For", []), peer]
@@ -85,6 +113,13 @@ class Head:
     prefix: bytes
     complete: bool   # the body ended within the prefix
     broken: bool     # the body broke while the prefix was read
+
+    def outcome(self, forwarded_at: float) -> Outcome:
+        """SPEC 3's outcome of an answer; a complete one is kept for replay whole."""
+        return Outcome("succeeded" if 200 <= self.status < 300 else "failed",
+                       http_status=self.status, forwarded_at=forwarded_at,
+                       response=(self.headers, self.prefix) if self.complete else None,
+                       error="response_incomplete" if self.broken else None)
 
 
 async def read_head(response: aiohttp.ClientResponse, keep_max: int, deadline: float) -> Head:

@@ -19,6 +19,7 @@ from yarl import URL
 
 from gateway import errors
 from gateway.policy.models import Upstream
+from gateway.store.base import Outcome
 
 # aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
@@ -30,6 +31,11 @@ class UpstreamFailure(Exception):
 
     outcome: str
     error: errors.GatewayError
+
+    def as_outcome(self, forwarded_at: float) -> Outcome:
+        """For the receipt: `not_sent` was never forwarded; anything else may have been."""
+        return Outcome(self.outcome, error=self.error.code,  # type: ignore[arg-type]
+                       forwarded_at=None if self.outcome == "not_sent" else forwarded_at)
 
 
 async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:

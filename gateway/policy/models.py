@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -100,6 +100,7 @@ class Idempotency(_Model):
 
 
 PLACEHOLDERS = frozenset({"resource", "name", "idempotency_key", "receipt_id", "fence"})
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
 
 class CallTemplate(_Model):
@@ -116,6 +117,21 @@ class CallTemplate(_Model):
             raise ValueError(f"unknown placeholder {{{sorted(unknown)[0]}}}; "
                              f"known: {', '.join(sorted(PLACEHOLDERS))}")
         return value
+
+    def render(self, resource: str, fence: int, idempotency_key: str,
+               receipt_id: str | None = None) -> str:
+        """The path with SPEC 8's placeholders filled in.
+
+        `{resource}` and `{idempotency_key}` are percent-encoded whole (a resource has '/',
+        a client's key may hold '/', '?', '#' or '%'). `{receipt_id}` stays literal while
+        `receipt_id` is None: a receipt is made by admission, after its path is fixed.
+        """
+        values = {"resource": quote(resource, safe=""),
+                  "name": quote(resource.rsplit("/", 1)[-1], safe=""),
+                  "idempotency_key": quote(idempotency_key, safe=""), "fence": str(fence)}
+        if receipt_id is not None:
+            values["receipt_id"] = receipt_id
+        return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), self.path)
 
 
 class ResourceRule(_Model):

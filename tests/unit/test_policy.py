@@ -94,3 +94,16 @@ class TestGlobs:
     ])
     def test_glob(self, pattern: str, resource: str, matches: bool) -> None:
         assert glob_matches(pattern, resource) is matches
+
+
+class TestCallTemplate:
+    """Placeholders of sweeper cleanups and probes (SPEC 8)."""
+
+    def test_render(self) -> None:
+        from gateway.policy.models import CallTemplate
+
+        template = CallTemplate(method="DELETE",
+                                path="/s/{name}/{resource}/{idempotency_key}/{fence}/{receipt_id}")
+        assert template.render("browser/acct 1", 7, "k/1?x") == \
+            "/s/acct%201/browser%2Facct%201/k%2F1%3Fx/7/{receipt_id}"
+        assert template.render("a/b", 1, "k", "01J").endswith("/1/01J")
