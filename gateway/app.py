@@ -9,6 +9,7 @@ from aiohttp import web
 
 from gateway import keys, proxy
 from gateway.api import leases, openapi, ops, receipts
+from gateway.auth import Clients, authenticate
 from gateway.failpoints import Failpoints
 from gateway.metrics import Metrics
 from gateway.middleware import problems
@@ -20,8 +21,10 @@ from gateway.sweeper import sweeper_ctx
 from gateway.upstream import Upstreams
 
 
-def create_app(settings: Settings, policies: PolicySet) -> web.Application:
-    app = web.Application(middlewares=[problems], client_max_size=1024**2)
+def create_app(settings: Settings, policies: PolicySet,
+               clients: Clients | None = None) -> web.Application:
+    app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
+    app[keys.CLIENTS] = clients
     app[keys.SETTINGS] = settings
     app[keys.POLICIES] = policies
     app[keys.METRICS] = Metrics()

@@ -77,6 +77,7 @@ class _Abort(Exception):
 
 def _serve() -> int:
     from gateway import logs
+    from gateway.auth import load_clients
     from gateway.policy import PolicyError, load_policies
     from gateway.serve import ConfigError, check_open_bind, serve
 
@@ -87,8 +88,9 @@ def _serve() -> int:
         policies = load_policies(settings.policies, warnings=warnings)
         for warning in warnings:
             logs.event("policy_warning", 30, detail=warning)
+        clients = load_clients(settings.clients) if settings.clients else None
         check_open_bind(settings)
-        asyncio.run(serve(settings, policies))
+        asyncio.run(serve(settings, policies, clients))
     except (_Abort, PolicyError, ConfigError) as exc:
         return _fail(str(exc))
     return 0

@@ -98,18 +98,24 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     settings, store, metrics = app[keys.SETTINGS], app[keys.STORE], app[keys.METRICS]
     upstream = target.upstream
     resource = headers.parse_resource(request.headers)
-    request[keys.LOG_FIELDS] = facts = {"resource": resource, "upstream": upstream.name}
+    client = request.get(keys.CLIENT)
+    client_name = client.name if client is not None else None
+    request[keys.LOG_FIELDS] = facts = {"resource": resource, "upstream": upstream.name,
+                                        "client": client_name}
     rule = app[keys.POLICIES].rule_for(upstream.name, resource)
-    if rule is None:  # step 2 comes before the fence is even looked at
-        not_allowed = errors.ResourceNotAllowed(
-            f"no resource rule of upstream {upstream.name} matches {resource!r}")
+    refusal = (
+        errors.ResourceNotAllowed(f"no resource rule of upstream {upstream.name} matches "
+                                  f"{resource!r}") if rule is None
+        else errors.Forbidden(f"client {client_name} may not act on {resource!r}")
+        if client is not None and not client.covers(resource) else None)
+    if refusal is not None:  # step 2 comes before the fence is even looked at
         with contextlib.suppress(errors.GatewayError):
             facts["fence"] = headers.parse_fence(request.headers)
             await _keep_rejection(request, _rejection(request, target, resource,
-                                                      facts["fence"]), not_allowed)
-        raise not_allowed
+                                                      facts["fence"], client_name), refusal)
+        raise refusal
     facts["fence"] = fence = headers.parse_fence(request.headers)
-    rejection = _rejection(request, target, resource, fence)
+    rejection = _rejection(request, target, resource, fence, client_name)
     try:
         owner = headers.parse_owner(request.headers)
         rejection = _with(rejection, owner=owner)
@@ -122,12 +128,13 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
         raise
 
     key = client_key or _make_key(rule, resource, request.method, target.target, body)
-    call = Call(resource=resource, fence=fence, owner=owner, client=None,
+    call = Call(resource=resource, fence=fence, owner=owner, client=client_name,
                 upstream=upstream.name, method=request.method, path=target.rest,
                 issuer=rule.lease.issuer, idempotency_key=key,
                 fingerprint=admission.fingerprint(request.method, target.target, body),
                 retry_statuses=rule.idempotency.retry_statuses,
-                retention_s=rule.idempotency.retention_s)
+                retention_s=rule.idempotency.retention_s,
+                clients_configured=app[keys.CLIENTS] is not None)
 
     async with app[keys.LANES].lane(resource) as lane:
         if rule.concurrency == "serial" and not await lane.take_turn(rule.queue_timeout_s):
@@ -309,9 +316,10 @@ def _body_or_none(request: web.Request, body: bytes) -> bytes | None:
     return body if framed or body else None
 
 
-def _rejection(request: web.Request, target: Target, resource: str, fence: int) -> Rejection:
+def _rejection(request: web.Request, target: Target, resource: str, fence: int,
+               client: str | None) -> Rejection:
     """What a `rejected` receipt records once resource and fence are readable."""
-    return Rejection(resource=resource, fence=fence, owner=None, client=None,
+    return Rejection(resource=resource, fence=fence, owner=None, client=client,
                      upstream=target.upstream.name, method=request.method, path=target.rest,
                      code="", http_status=0)
 

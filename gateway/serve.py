@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import logs
 from gateway.app import create_app
+from gateway.auth import Clients
 from gateway.http_server import GatewayRunner
 from gateway.policy import PolicySet
 from gateway.settings import Settings
@@ -42,8 +43,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(settings: Settings, policies: PolicySet) -> None:
-    app = create_app(settings, policies)
+async def serve(settings: Settings, policies: PolicySet, clients: Clients | None) -> None:
+    app = create_app(settings, policies, clients)
     runner = GatewayRunner(
         app,
         header_timeout_s=settings.header_timeout_s,

@@ -3,8 +3,8 @@
 Each handler validates everything it is given (problem+json `400` for any bad input), looks
 up the resource's lease settings (the first rule with a `gateway` issuer that covers it, else
 `403 resource_not_allowed`), and makes one store call: the compare-and-swap lives in the
-store, never here. Clients are a later issue: `client` is None for now, but it is passed
-through, so the store already ties a lease to the client that acquired it.
+store, never here. Who may call what is `auth`'s business; the store ties a lease to the
+client that acquired it, which is what `not_lease_holder` checks.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ def _ttl(body: dict[str, Any], rule: ResourceRule) -> float:
     return ttl_s
 
 
-def _client(_request: web.Request) -> str | None:
-    """The authenticated client's name; None until clients are configured (a later issue)."""
-    return None
+def _client(request: web.Request) -> str | None:
+    """The authenticated client's name; None when the gateway runs open."""
+    client = request.get(keys.CLIENT)
+    return client.name if client is not None else None

@@ -172,7 +172,10 @@ def document() -> dict[str, Any]:
             "/_gateway/v1/openapi.json": {"get": _op("This document",
                                                      {"200": _answer("OpenAPI 3.1")})},
         },
-        "components": {"schemas": _SCHEMAS},
+        "components": {"schemas": _SCHEMAS, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "A client's key, when the gateway has a clients file"}}},
+        "security": [{"bearer": []}],
     }
 
 

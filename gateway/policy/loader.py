@@ -1,8 +1,5 @@
-"""Policy files → a validated `PolicySet`, or a `PolicyError` naming file, line and field.
-
-YAML is composed into nodes first so that a pydantic error location (`resources[2].lease.ttl_s`)
-can be traced back to the line it came from.
-"""
+"""Policy files → a validated, merged `PolicySet`, or a `PolicyError` naming file, line and
+field. Checks that span files (unique names and mounts, known upstreams) live here."""
 
 from __future__ import annotations
 
@@ -11,16 +8,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
+from gateway.config_file import ConfigFileError, YamlFile
 from gateway.policy.models import PolicyFile, PolicySet, ResourceRule, Upstream
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class PolicyError(Exception):
-    """A policy file is unusable; the message is `file:line: field: problem`."""
+PolicyError = ConfigFileError  # a policy file is unusable: `file:line: field: problem`
 
 
 def policy_files(path: str | Path) -> list[Path]:
@@ -47,16 +41,10 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
     rules: list[ResourceRule] = []
     seen: dict[tuple[str, str], str] = {}  # (kind, value) -> file:line of first use
     for file in policy_files(path):
-        document, root = _parse(file)
-        try:
-            parsed = PolicyFile.model_validate(document)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            loc = error["loc"]
-            raise PolicyError(
-                f"{file}:{_line_of(root, loc)}: {_dotted(loc)}: {_describe(error)}") from None
+        source = YamlFile(file)
+        parsed = source.validate(PolicyFile)
         for index, upstream in enumerate(parsed.upstreams):
-            where = f"{file}:{_line_of(root, ('upstreams', index))}"
+            where = source.where("upstreams", index)
             for kind, value in (("name", upstream.name), ("mount", upstream.mount)):
                 if (kind, value) in seen:
                     raise PolicyError(f"{where}: upstreams[{index}].{kind}: {value!r} is "
@@ -65,7 +53,7 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
             upstreams.append(_expand(upstream, env, where, index))
         rules.extend(parsed.resources)
         for index, rule in enumerate(parsed.resources):
-            where = f"{file}:{_line_of(root, ('resources', index))}"
+            where = source.where("resources", index)
             _rule_checks(rule, (where, index), env, warnings)
     names = {u.name for u in upstreams}
     for rule in rules:
@@ -104,56 +92,3 @@ def _expand(upstream: Upstream, env: Any, where: str, index: int) -> Upstream:
             raise PolicyError(f"{where}: upstreams[{index}].inject_headers.{name}: "
                               "value contains CR, LF or NUL")
     return upstream.model_copy(update={"inject_headers": headers})
-
-
-def _parse(file: Path) -> tuple[Any, yaml.Node | None]:
-    try:
-        text = file.read_text(encoding="utf-8")
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        document = yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"{file}: cannot read: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else 1
-        raise PolicyError(f"{file}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}") \
-            from None
-    if document is None:
-        document = {}
-    if not isinstance(document, dict):
-        raise PolicyError(f"{file}:1: the top level must be a mapping with upstreams and "
-                          "resources")
-    return document, root
-
-
-def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
-    """The line of the deepest YAML node that `loc` reaches (1-based)."""
-    line = node.start_mark.line + 1 if node is not None else 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if k.value == part), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
-                and part < len(node.value):
-            node = node.value[part]
-        else:
-            break
-        if node is None:
-            break
-        line = node.start_mark.line + 1
-    return line
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
-    return text or "(top level)"
-
-
-def _describe(error: dict[str, Any]) -> str:
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        return "unknown field"
-    if "input" in error and not isinstance(error["input"], dict | list):
-        return f"{error['input']!r}: {message}"
-    return message
