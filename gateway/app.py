@@ -17,7 +17,7 @@ from gateway.ordering import Lanes
 from gateway.policy import PolicySet
 from gateway.settings import Settings
 from gateway.store import create_store
-from gateway.sweeper import sweeper_ctx
+from gateway.sweeper import count_lost, sweeper_ctx
 from gateway.upstream import Upstreams
 
 
@@ -52,6 +52,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
                          before_commit=app[keys.FAILPOINTS].in_commit)
     await store.open()
     app[keys.STORE] = store
+    count_lost(app, store.recovered)
     yield
     await store.close()
 

@@ -135,7 +135,7 @@ def _authorize_api(request: web.Request, client: Client) -> None:
             raise errors.Forbidden(f"client {client.name} may not use the receipt API")
     elif path.startswith("/_gateway/v1/leases/"):
         resource = request.match_info.get("resource", "")
-        if method == "DELETE" and request.query.get("force") is not None:
+        if method == "DELETE" and request.query.get("force") == "true":
             if "admin" not in client.roles:
                 raise errors.Forbidden("revoking a lease takes the admin role")
         elif method in ("GET", "HEAD") and client.may("reconciler"):

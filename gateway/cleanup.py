@@ -31,6 +31,7 @@ from multidict import CIMultiDict
 
 from gateway import admission, errors, keys, logs
 from gateway.headers import new_request_id
+from gateway.ordering import clear_to_forward
 from gateway.policy.models import ResourceRule, Upstream
 from gateway.relay import fenced_headers, read_head, upstream_headers
 from gateway.store.base import Admitted, Call, Outcome, Refused
@@ -178,8 +179,7 @@ class Cleaner:
             in_flight = app[keys.IN_FLIGHT]
             in_flight.add(receipt_id)
             try:
-                if rule.concurrency == "parallel" and not await lane.wait_for_older(
-                        rule.queue_timeout_s):
+                if not await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id):
                     outcome = Outcome("not_sent", error="resource_busy")
                 else:
                     path = template.render(resource, fence, key, receipt_id)

@@ -54,6 +54,8 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         error = _HTTP_EXCEPTIONS.get(exc.status, errors.InvalidRequest)(exc.reason)
+        if request.method == "CONNECT":  # an authority-form target matches no route at all
+            error = errors.MethodNotAllowed("CONNECT is not proxied")
     except Exception:  # a bug: answer cleanly, keep the trace in the log only
         logs.log.exception("unhandled error on %s %s", request.method, request.path)
         error = errors.GatewayError("the gateway failed unexpectedly; see its log")
@@ -62,9 +64,33 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
     fields = request.get(keys.LOG_FIELDS)
     if error is not None:
         response = problem_response(error, request_id, fields)
+    if not request.path.startswith("/_gateway/"):
+        _count(request, response, error, fields or {})
     if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):
         _log(request, response, error, request_id, fields or {}, started)
     return response
+
+
+# Failures of the call itself, as opposed to the gateway refusing it.
+_ERROR_CODES = frozenset({"upstream_unreachable", "upstream_outcome_unknown", "upstream_timeout",
+                          "store_unavailable", "internal_error"})
+
+
+def _count(request: web.Request, response: web.StreamResponse,
+           error: errors.GatewayError | None, fields: dict[str, Any]) -> None:
+    """fence_gateway_requests_total and _rejections_total for every proxied call: counted
+    here only, so that no refusal, wherever it happens, goes uncounted."""
+    metrics = request.app[keys.METRICS]
+    upstream = str(fields.get("upstream") or "-")  # "-": refused before it was routed
+    if error is None:
+        replayed = response.headers.get("Idempotent-Replayed") == "true"
+        result = "replayed" if replayed else "forwarded"
+    elif error.code in _ERROR_CODES:
+        result = "error"
+    else:
+        result = "rejected"
+        metrics.rejections.labels(upstream, error.code).inc()
+    metrics.requests.labels(upstream, result).inc()
 
 
 def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,

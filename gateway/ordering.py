@@ -18,6 +18,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from gateway.store.base import Store
+
 
 class _Lane:
     __slots__ = ("fences", "turn", "users", "waiters")
@@ -92,6 +94,12 @@ class Lane:
             self._turn_taken = False
             lane.turn.release()
 
+    def has_older(self) -> bool:
+        """A call with a lower fence is in flight: forwarding this one must wait."""
+        if self._fence is None:
+            raise RuntimeError("register the fence first")
+        return min(self._lane.fences) < self._fence
+
     async def wait_for_older(self, timeout_s: float) -> bool:
         """Wait until no call with a lower fence is in flight; False when `timeout_s` passed."""
         lane, fence = self._lane, self._fence
@@ -107,3 +115,19 @@ class Lane:
         except TimeoutError:
             return False
         return True
+
+
+async def clear_to_forward(lane: Lane, timeout_s: float, store: Store, receipt_id: str) -> bool:
+    """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
+    served by a serial and a parallel rule at once). False when older calls stayed in flight.
+
+    A call that had to wait leaves later than its admission said: its `forwarded_at` is
+    moved to now, durably, before it leaves, so that a reconciler's grace never ends while
+    the call may still be running at the tool.
+    """
+    if not lane.has_older():
+        return True
+    if not await lane.wait_for_older(timeout_s):
+        return False
+    await store.mark_forwarded(receipt_id)
+    return True

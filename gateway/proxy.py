@@ -14,7 +14,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from gateway import admission, errors, headers, keys, logs
-from gateway.ordering import Lane
+from gateway.ordering import Lane, clear_to_forward
 from gateway.policy.models import ResourceRule, Upstream
 from gateway.relay import (
     Head,
@@ -64,6 +64,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     target = route(request)
     request_id = headers.request_id(request.headers) or headers.new_request_id()
     request[keys.REQUEST_ID] = request_id
+    request[keys.LOG_FIELDS] = {"upstream": target.upstream.name}
     policies = request.app[keys.POLICIES]
     if request.method in policies.fenced_methods[target.upstream.name]:
         return await _fenced(request, target, request_id)
@@ -83,13 +84,11 @@ async def _plain(request: web.Request, target: Target, request_id: str) -> web.S
         answer = await app[keys.UPSTREAMS].send(upstream, request.method, target.rest, sent,
                                                 _body_or_none(request, body), deadline)
     except UpstreamFailure as failure:
-        app[keys.METRICS].requests.labels(upstream.name, "error").inc()
         raise failure.error from None
     async with answer:
         head = await read_head(answer, 0, deadline)
         response, _ = await stream_back(request, head, answer,
                                         {headers.REQUEST_ID_HEADER: request_id}, deadline)
-    app[keys.METRICS].requests.labels(upstream.name, "forwarded").inc()
     return response
 
 
@@ -100,8 +99,8 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     resource = headers.parse_resource(request.headers)
     client = request.get(keys.CLIENT)
     client_name = client.name if client is not None else None
-    request[keys.LOG_FIELDS] = facts = {"resource": resource, "upstream": upstream.name,
-                                        "client": client_name}
+    facts = request[keys.LOG_FIELDS]
+    facts.update(resource=resource, client=client_name)
     rule = app[keys.POLICIES].rule_for(upstream.name, resource)
     refusal = (
         errors.ResourceNotAllowed(f"no resource rule of upstream {upstream.name} matches "
@@ -154,11 +153,8 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
         result = await store.admit(call)
         metrics.admission.observe(time.perf_counter() - started)
         if isinstance(result, Refused):
-            metrics.rejections.labels(upstream.name, result.code).inc()
-            metrics.requests.labels(upstream.name, "rejected").inc()
             raise _refusal(result, rule)
         if isinstance(result, Replayed):
-            metrics.requests.labels(upstream.name, "replayed").inc()
             return await _replay(request, result, request_id, key, fence)
         return await _forward(request, target, rule, call, body, result, lane, request_id)
 
@@ -179,8 +175,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
     in_flight.add(receipt_id)
     try:
         failpoints.crash_at("after_admit")
-        if rule.concurrency == "parallel" and not await lane.wait_for_older(
-                rule.queue_timeout_s):
+        if not await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id):
             await _record(request, receipt_id, Outcome("not_sent", error="resource_busy"))
             raise errors.ResourceBusy(
                 f"older calls of {call.resource!r} stayed in flight for {rule.queue_timeout_s}s",
@@ -203,7 +198,6 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
             if failure.outcome == "outcome_unknown":
                 metrics.outcome_unknown.labels(upstream.name).inc()
             unrecorded = not await _record(request, receipt_id, outcome)
-            metrics.requests.labels(upstream.name, "error").inc()
             failure.error.headers.update(answer_headers)
             if unrecorded:
                 failure.error.headers["X-Receipt-Outcome"] = "unrecorded"
@@ -218,7 +212,6 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
             response, broke = await stream_back(request, head, answer, answer_headers, deadline)
         if broke and not head.broken:
             await _quietly(store.mark_incomplete(receipt_id))
-        metrics.requests.labels(upstream.name, "forwarded").inc()
         request[keys.LOG_FIELDS].update(status=head.status)
         return response
     finally:
@@ -244,8 +237,6 @@ async def _keep_rejection(request: web.Request, rejection: Rejection,
                           error: errors.GatewayError) -> None:
     """Leave a `rejected` receipt; if the store is down the client still gets `error`."""
     app = request.app
-    app[keys.METRICS].rejections.labels(rejection.upstream, error.code).inc()
-    app[keys.METRICS].requests.labels(rejection.upstream, "rejected").inc()
     kept = _with(rejection, code=error.code, http_status=error.status)
     receipt_id = await _quietly(app[keys.STORE].reject(kept))
     if receipt_id:
@@ -289,7 +280,9 @@ async def _replay(request: web.Request, replayed: Replayed, request_id: str, key
     response, _ = await stream_back(request, head, None, {
         "Idempotent-Replayed": "true", headers.RECEIPT_HEADER: replayed.receipt_id,
         headers.REQUEST_ID_HEADER: request_id, headers.IDEMPOTENCY_HEADER: key,
-        headers.FENCE_HEADER: str(fence)}, deadline=0)
+        headers.FENCE_HEADER: str(fence)},
+        # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
+        deadline=asyncio.get_running_loop().time() + request.app[keys.SETTINGS].body_timeout_s)
     return response
 
 

@@ -155,32 +155,41 @@ class RelayedResponse(web.StreamResponse):
 
 async def stream_back(request: web.Request, head: Head, rest: aiohttp.ClientResponse | None,
                       extra: dict[str, str], deadline: float) -> tuple[web.StreamResponse, bool]:
-    """Send the answer to the client; (response, body_broke). A body that breaks after its
-    status went out can only be signalled by aborting the connection."""
+    """Send the answer to the client by `deadline` (loop time); (response, body_broke).
+
+    A body that breaks after its status went out can only be signalled by aborting the
+    connection. A client that leaves, or reads too slowly to be done by the deadline, is cut
+    off: the outcome is recorded already, and a stalled reader must not keep its resource's
+    lane (and so a new owner) waiting.
+    """
     response = RelayedResponse(status=head.status)
     for name, value in head.headers:
         response.headers.add(name, value)
     for name, value in extra.items():
         response.headers[name] = value
-    broken = head.broken
+    broken, reading = head.broken, False
     try:
-        await response.prepare(request)
-        await response.write(head.prefix)
-        while rest is not None and not head.complete and not broken:
-            try:  # only the upstream's side counts as the body breaking
-                async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline):
+            await response.prepare(request)
+            await response.write(head.prefix)
+            while rest is not None and not head.complete and not broken:
+                reading = True  # only the upstream's side counts as the body breaking
+                try:
                     chunk = await rest.content.readany()
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                broken = True
-                break
-            if not chunk:
-                break
-            await response.write(chunk)
-    except ConnectionResetError:
-        return response, False  # the client left; the outcome is recorded already
-    if broken:
-        if request.transport is not None:
-            request.transport.abort()
-        return response, True
-    await response.write_eof()
-    return response, False
+                except (aiohttp.ClientError, OSError):
+                    broken = True
+                    break
+                reading = False
+                if not chunk:
+                    break
+                await response.write(chunk)
+            if not broken:
+                await response.write_eof()
+                return response, False
+    except TimeoutError:
+        broken = broken or reading
+    except ConnectionError:
+        pass  # the client left
+    if request.transport is not None:
+        request.transport.abort()
+    return response, broken

@@ -39,10 +39,16 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
     lost = await store.expire_pending(
         waits, max(waits.values(), default=30.0),
         SILENT_INTERVALS * settings.sweep_interval_s, frozenset(app[keys.IN_FLIGHT]))
-    if lost:
-        logs.event("receipts_outcome_unknown", logging.WARNING, count=lost)
+    count_lost(app, lost)
     await store.prune(settings.receipt_retention_s)
     await cleaner.start_due()
+
+
+def count_lost(app: web.Application, lost: dict[str, int]) -> None:
+    """Receipts turned `outcome_unknown` (by recovery or the sweeper), per upstream."""
+    for upstream, count in lost.items():
+        app[keys.METRICS].outcome_unknown.labels(upstream).inc(count)
+        logs.event("receipts_outcome_unknown", logging.WARNING, upstream=upstream, count=count)
 
 
 async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -84,7 +84,7 @@ class Upstreams:
                 return await self._sessions[upstream.name].request(
                     method, url, headers=headers, data=body, allow_redirects=False,
                     trace_request_ctx=state)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except Exception as exc:  # whatever it is, the receipt needs to know if it was sent
             raise _classify(exc, state.connected, upstream) from exc
 
 

@@ -118,6 +118,17 @@ class TestProxiedCalls:
         assert upstream.received() == []
 
 
+    async def test_only_the_acquiring_client_may_renew_or_release(self, gw) -> None:
+        lease = await acquire(gw, "runner")
+        who = {"owner": "runner", "fence": lease["fence"]}
+        assert await status_code(gw.put("/_gateway/v1/leases/browser/a", json=who,
+                                        headers=bearer("other"))) == (409, "lease_lost")
+        assert await status_code(gw.delete("/_gateway/v1/leases/browser/a", params=who,
+                                           headers=bearer("other"))) == (409, "lease_lost")
+        assert await status_code(gw.put("/_gateway/v1/leases/browser/a", json=who,
+                                        headers=bearer("runner"))) == (200, None)
+
+
 class TestApiRoles:
     """Reconcilers read and resolve; agents use their own leases; admins may revoke."""
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway import errors, headers, keys
 from gateway.api import params
+from gateway.cleanup import SWEEPER_OWNER_PREFIX
 from gateway.policy.models import ResourceRule
 from gateway.store.base import parse_rfc3339
 
@@ -37,6 +38,9 @@ async def acquire(request: web.Request) -> web.Response:
     key = headers.parse_idempotency_key(request.headers)
     body = await params.json_body(request, {"owner": str, "ttl_s": _NUMBER}, ("owner",))
     owner = _owner(body["owner"])
+    if owner.startswith(SWEEPER_OWNER_PREFIX):
+        raise errors.InvalidRequest(f"owner names starting with {SWEEPER_OWNER_PREFIX!r} "
+                                    "belong to the gateway's sweeper")
     ttl_s = _ttl(body, rule)
     app = request.app
     metrics = app[keys.METRICS]
@@ -69,7 +73,7 @@ async def renew(request: web.Request) -> web.Response:
     fence = _fence(body["fence"])
     ttl_s = _ttl(body, rule)
     metrics = request.app[keys.METRICS]
-    lease = await request.app[keys.STORE].renew(resource, owner, fence, ttl_s)
+    lease = await request.app[keys.STORE].renew(resource, owner, fence, ttl_s, _client(request))
     if lease is None:
         metrics.renewals.labels("lost").inc()
         raise errors.LeaseLost(f"this lease on {resource!r} is no longer held: it expired, "
@@ -100,7 +104,7 @@ async def release(request: web.Request) -> web.Response:
         if fence is None:
             raise errors.InvalidRequest(f"fence {query['fence']!r}: a whole number from 1 to "
                                         f"{headers.MAX_FENCE}")
-        ok, held = await store.release(resource, owner, fence)
+        ok, held = await store.release(resource, owner, fence, _client(request))
         if not ok:
             raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
     if held is not None:

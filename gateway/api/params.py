@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -10,10 +11,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors
+from gateway import errors, keys
 from gateway.store.base import parse_rfc3339
 
 MAX_LIMIT = 1000
+MAX_INTEGER = 2**63 - 1  # what the store can hold; fences never exceed it
 
 
 def only(request: web.Request, allowed: Iterable[str]) -> dict[str, str]:
@@ -40,8 +42,8 @@ def integer(params: dict[str, str], name: str) -> int | None:
     value = params.get(name)
     if value is None:
         return None
-    if not value.isascii() or not value.isdigit() or len(value) > 19:
-        raise errors.InvalidRequest(f"{name} {value!r}: a non-negative whole number")
+    if not value.isascii() or not value.isdigit() or int(value) > MAX_INTEGER:
+        raise errors.InvalidRequest(f"{name} {value!r}: a whole number from 0 to {MAX_INTEGER}")
     return int(value)
 
 
@@ -84,10 +86,15 @@ def page(items: list[dict[str, Any]], size: int, key: str) -> dict[str, Any]:
 async def json_body(request: web.Request, fields: dict[str, type | tuple[type, ...]],
                     required: Iterable[str]) -> dict[str, Any]:
     """A JSON object with only `fields` (name -> accepted types), `required` present."""
+    timeout_s = request.app[keys.SETTINGS].body_timeout_s
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # at most the app's client_max_size (1 MiB): 413 above
+    except TimeoutError:
+        raise errors.RequestTimeout(f"the body did not arrive within {timeout_s}s") from None
+    try:
         body = json.loads(raw) if raw else {}
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise errors.InvalidRequest("the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise errors.InvalidRequest("the body must be a JSON object")

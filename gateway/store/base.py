@@ -115,6 +115,9 @@ class Store(Protocol):
     async def complete(self, receipt_id: str, outcome: Outcome) -> None:
         """Record the outcome durably (late outcomes too, SPEC 3)."""
 
+    async def mark_forwarded(self, receipt_id: str) -> None:
+        """A call that waited after admission leaves now (reconcile grace counts from here)."""
+
     async def mark_incomplete(self, receipt_id: str) -> None:
         """The answer's body broke after its outcome was recorded."""
 
@@ -124,9 +127,12 @@ class Store(Protocol):
     async def heartbeat(self) -> None:
         """Refresh this instance's heartbeat: also the write check of readiness."""
 
-    async def expire_pending(self, timeouts: dict[str, float], grace_s: float,
-                             silent_after_s: float) -> int:
-        """Turn lost `pending` receipts `outcome_unknown`; how many."""
+    recovered: dict[str, int]  # receipts turned outcome_unknown at open, by upstream
+
+    async def expire_pending(self, wait_s: dict[str, float], default_wait_s: float,
+                             silent_after_s: float,
+                             in_flight: frozenset[str]) -> dict[str, int]:
+        """Turn lost `pending` receipts `outcome_unknown`; how many, by upstream."""
 
     async def prune(self, receipt_retention_s: float) -> int:
         """Delete idempotency keys past retention and completed receipts past theirs."""

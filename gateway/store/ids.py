@@ -17,6 +17,11 @@ class MonotonicUlid:
         self._last_ms = 0
         self._last_random = 0
 
+    def continue_after(self, last_id: str) -> None:
+        """Make every later id sort after `last_id`, even if the clock went back."""
+        value = _decode(last_id)
+        self._last_ms, self._last_random = value >> 80, value & ((1 << 80) - 1)
+
     def __call__(self, now: float | None = None) -> str:
         ms = int((time.time() if now is None else now) * 1000)
         if ms <= self._last_ms:
@@ -33,3 +38,10 @@ def _encode(value: int) -> str:
         chars.append(_ALPHABET[value & 31])
         value >>= 5
     return "".join(reversed(chars))
+
+
+def _decode(text: str) -> int:
+    value = 0
+    for char in text:
+        value = value * 32 + _ALPHABET.index(char)
+    return value

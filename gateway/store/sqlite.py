@@ -1,8 +1,8 @@
 """The embedded store: one SQLite file in WAL mode, written by one process.
 
 Writes go through `GroupCommitter` (one writer thread, many operations per fsync); reads use
-a second connection in a thread of their own, which WAL lets run beside the writer. A lock
-file held with flock keeps a second gateway process off the same database: with one writer
+a second connection in a thread of their own, which WAL lets run beside the writer. An flock
+on the database file itself keeps a second gateway process off it: with one writer
 per file, read-decide-write inside one `BEGIN IMMEDIATE` transaction is atomic.
 """
 
@@ -35,9 +35,11 @@ from gateway.store.base import (
 )
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
-from gateway.store.rows import lease_record, receipt_record
+from gateway.store.rows import RECEIPT_COLUMNS, lease_record, receipt_record
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
+# What a receipt list reads: never the stored answers, which can be 64 KiB each.
+_RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
 
 
 class StoreLocked(Exception):
@@ -62,6 +64,7 @@ class SqliteStore:
         self._writer_conn: sqlite3.Connection | None = None
         self._reader_conn: sqlite3.Connection | None = None
         self.committer: GroupCommitter | None = None
+        self.recovered: dict[str, int] = {}  # receipts turned outcome_unknown at start
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -93,7 +96,10 @@ class SqliteStore:
             self._lock_fd = None
 
     def _take_lock(self) -> None:
-        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        # The lock is on the database file itself (its inode), so another path to the same
+        # file, a symlink or a hard link, meets it too. SQLite's own locks are POSIX record
+        # locks, which flock does not interact with on Linux.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -122,8 +128,13 @@ class SqliteStore:
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) "
                      "VALUES (?, ?, ?)", (self.instance, now, now))
-        conn.execute("UPDATE receipts SET status = 'outcome_unknown' WHERE status = 'pending'")
+        self.recovered = _count_by_upstream(conn.execute(
+            "UPDATE receipts SET status = 'outcome_unknown' WHERE status = 'pending' "
+            "RETURNING upstream").fetchall())
+        last = conn.execute("SELECT max(id) AS id FROM receipts").fetchone()["id"]
         conn.execute("COMMIT")
+        if last is not None:
+            self._new_id.continue_after(last)  # ids keep their order across restarts
 
     async def _write(self, op: Callable[[sqlite3.Connection], Any], *,
                      durable: bool = False) -> Any:
@@ -288,6 +299,13 @@ class SqliteStore:
                      "WHERE resource = ? AND key = ? AND receipt_id = ?",
                      (now, resource, key, receipt_id))
 
+    async def mark_forwarded(self, receipt_id: str) -> None:
+        """The call leaves now, later than its admission (it waited for older calls): the
+        time a reconciler must wait counts from here, so this is durable before it leaves."""
+        await self._write(lambda conn: conn.execute(
+            "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
+            (time.time(), receipt_id)))
+
     async def mark_incomplete(self, receipt_id: str) -> None:
         await self._write(lambda conn: conn.execute(
             "UPDATE receipts SET error = 'response_incomplete', replayable = 0, "
@@ -342,7 +360,7 @@ class SqliteStore:
                 clauses.append(clause)
                 params.append(value)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        sql = f"SELECT * FROM receipts {where} ORDER BY id LIMIT ?"
+        sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ?"
         params.append(query.limit)
         return await self._read(
             lambda conn: [receipt_record(r) for r in conn.execute(sql, params).fetchall()])
@@ -394,16 +412,18 @@ class SqliteStore:
         new = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
         return "acquired", lease_record(new, now), held_seconds
 
-    async def renew(self, resource: str, owner: str, fence: int,
-                    ttl_s: float) -> dict[str, Any] | None:
-        """The renewed lease, or None when it is lost (not ours, expired or released)."""
+    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float,
+                    client: str | None = None) -> dict[str, Any] | None:
+        """The renewed lease, or None when it is lost (not ours, expired or released).
+
+        Only the client that acquired a lease may renew it (`client` None: running open)."""
 
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
             now = time.time()
             cursor = conn.execute(
                 "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ? AND "
-                "owner = ? AND fence = ? AND state = 'held' AND expires_at > ?",
-                (now, now + ttl_s, resource, owner, fence, now))
+                "owner = ? AND fence = ? AND client IS ? AND state = 'held' AND expires_at > ?",
+                (now, now + ttl_s, resource, owner, fence, client, now))
             if cursor.rowcount == 0:
                 return None
             row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
@@ -411,11 +431,13 @@ class SqliteStore:
 
         return await self._write(op)
 
-    async def release(self, resource: str, owner: str | None, fence: int | None) -> tuple[
-            bool, float | None]:
+    async def release(self, resource: str, owner: str | None, fence: int | None,
+                      client: str | None = None) -> tuple[bool, float | None]:
         """(ok, held_seconds). With owner and fence None: an admin's revoke.
 
-        Releasing a lease its holder already released, or that expired untaken, is ok.
+        Releasing a lease its holder already released, or that expired untaken, is ok. A
+        release after expiry leaves the lease to the sweeper, which marks it expired and
+        schedules its `on_expiry` cleanup as for any expiry.
         """
 
         def op(conn: sqlite3.Connection) -> tuple[bool, float | None]:
@@ -423,7 +445,8 @@ class SqliteStore:
             row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
             if row is None:
                 return owner is None, None
-            if owner is not None and (row["owner"] != owner or row["fence"] != fence):
+            if owner is not None and (row["owner"] != owner or row["fence"] != fence
+                                      or row["client"] != client):
                 return False, None
             if row["state"] != "held":
                 if owner is None and row["state"] == "expired":
@@ -431,10 +454,11 @@ class SqliteStore:
                     conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?",
                                  (resource,))
                 return True, None
+            if owner is not None and now >= row["expires_at"]:
+                return True, None  # expired untaken: the sweeper's to mark and clean up after
             held = min(now, row["expires_at"]) - row["acquired_at"]
-            state = "released" if now < row["expires_at"] or owner is None else "expired"
-            conn.execute("UPDATE leases SET state = ?, ended_at = ? WHERE resource = ?",
-                         (state, now, resource))
+            conn.execute("UPDATE leases SET state = 'released', ended_at = ? WHERE resource = ?",
+                         (now, resource))
             return True, held
 
         return await self._write(op)
@@ -603,26 +627,27 @@ class SqliteStore:
             "UPDATE instances SET heartbeat_at = ? WHERE id = ?", (time.time(), self.instance)))
 
     async def expire_pending(self, wait_s: dict[str, float], default_wait_s: float,
-                             silent_after_s: float, in_flight: frozenset[str]) -> int:
+                             silent_after_s: float,
+                             in_flight: frozenset[str]) -> dict[str, int]:
         """Turn lost `pending` receipts `outcome_unknown`: their instance fell silent, or
         they are older than their upstream's timeout plus grace (`wait_s`). Receipts this
-        process still has in flight are not lost, whatever their age."""
+        process still has in flight are not lost, whatever their age. How many, by upstream."""
 
-        def op(conn: sqlite3.Connection) -> int:
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
             now = time.time()
             rows = conn.execute(
                 "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at "
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'").fetchall()
             lost = [
-                row["id"] for row in rows if row["id"] not in in_flight and (
+                row for row in rows if row["id"] not in in_flight and (
                     row["heartbeat_at"] is None or row["heartbeat_at"] < now - silent_after_s
                     or (row["forwarded_at"] or row["created_at"])
                     + wait_s.get(row["upstream"], default_wait_s) < now)
             ]
             conn.executemany("UPDATE receipts SET status = 'outcome_unknown' WHERE id = ? AND "
-                             "status = 'pending'", [(i,) for i in lost])
-            return len(lost)
+                             "status = 'pending'", [(row["id"],) for row in lost])
+            return _count_by_upstream(lost)
 
         return await self._write(op)
 
@@ -681,3 +706,10 @@ class CleanupClaim:
     lease_owner: str | None = None
     receipt_id: str | None = None
     holder: str | None = None
+
+
+def _count_by_upstream(rows: list[sqlite3.Row]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["upstream"]] = counts.get(row["upstream"], 0) + 1
+    return counts

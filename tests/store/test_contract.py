@@ -92,7 +92,7 @@ class TestIdempotency:
 class TestOutcomes:
     async def test_late_outcome_after_unknown(self, store) -> None:
         admitted = await store.admit(call(1))
-        assert await store.expire_pending({}, 0, 60, frozenset()) == 1
+        assert await store.expire_pending({}, 0, 60, frozenset()) == {"tool": 1}
         assert await store.complete(admitted.receipt_id, ok()) == "late"
         receipt = await store.get_receipt(admitted.receipt_id)
         assert (receipt["status"], receipt["late"]) == ("succeeded", True)
@@ -109,7 +109,7 @@ class TestOutcomes:
 
     async def test_in_flight_receipts_are_not_lost(self, store) -> None:
         admitted = await store.admit(call(1))
-        assert await store.expire_pending({}, 0, 60, frozenset({admitted.receipt_id})) == 0
+        assert await store.expire_pending({}, 0, 60, frozenset({admitted.receipt_id})) == {}
 
     async def test_reject_keeps_a_receipt(self, store) -> None:
         receipt_id = await store.reject(Rejection("acct/1", 3, "run-a", None, "tool", "PUT",

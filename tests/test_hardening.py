@@ -1,0 +1,196 @@
+"""Defects an independent review found, each pinned by a test that failed before its fix.
+
+The real app runs in process on a real SQLite file in front of a real recording upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway import keys
+from gateway.app import create_app
+from gateway.policy.loader import load_policies
+from gateway.settings import Settings
+from gateway.store.base import parse_rfc3339
+from gateway.store.ids import MonotonicUlid
+from gateway.store.sqlite import SqliteStore, StoreLocked
+from tests.harness import Behavior, RecordingUpstream, make_policy, write_policy
+from tests.store.test_contract import call
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, upstream: RecordingUpstream, aiohttp_client: Any) -> Any:
+    """Two upstreams over one tool: `/tool` serves `shared/*` in parallel, `/serial` serially."""
+    parallel = make_policy(upstream.url, [
+        {"match": "shared/*", "lease": {"issuer": "external"}},
+        {"match": "run/*", "lease": {"issuer": "gateway", "ttl_s": 0.3, "max_ttl_s": 5},
+         "on_expiry": {"method": "DELETE", "path": "/cleanup/{name}"}},
+    ], timeout_s=1)
+    serial = make_policy(upstream.url, [
+        {"match": "shared/*", "concurrency": "serial", "lease": {"issuer": "external"}},
+    ], name="serial", mount="/serial", timeout_s=1)
+    policy = write_policy(tmp_path / "p.yaml", {
+        "upstreams": parallel["upstreams"] + serial["upstreams"],
+        "resources": parallel["resources"] + serial["resources"]})
+    settings = Settings(_env_file=None, database_url=f"sqlite:///{tmp_path}/gw.db",
+                        policies=str(policy), instance_id="t", sweep_interval_s=0.1,
+                        body_timeout_s=0.5, reconcile_grace_s=0)
+    return await aiohttp_client(create_app(settings, load_policies(policy)))
+
+
+def fenced(resource: str, fence: int) -> dict[str, str]:
+    return {"X-Lease-Resource": resource, "X-Fence-Token": str(fence)}
+
+
+async def receipt(gw: Any, receipt_id: str) -> dict[str, Any]:
+    async with gw.get(f"/_gateway/v1/receipts/{receipt_id}") as r:
+        return await r.json()
+
+
+class TestTakeover:
+    """A newer fence never overtakes an older call in flight, and its grace counts from
+    when it really left."""
+
+    async def test_a_serial_rule_waits_for_a_parallel_rules_older_call(self, gw, upstream):
+        gate = asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=gate))
+        old = asyncio.create_task(gw.post("/tool/old", headers=fenced("shared/a", 1)))
+        await upstream.wait_received(1)
+        new = asyncio.create_task(gw.post("/serial/new", headers=fenced("shared/a", 2)))
+        await asyncio.sleep(0.2)
+        assert [r.path for r in upstream.received()] == ["/api/old"]
+        gate.set()
+        for task in (old, new):
+            (await task).release()
+        assert [r.path for r in upstream.received()] == ["/api/old", "/api/new"]
+
+    async def test_a_call_that_waited_is_forwarded_at_when_it_left(self, gw, upstream):
+        """Durably, before it leaves: if the gateway dies while the call runs, a reconciler's
+        grace still counts from when the tool got it, not from its admission."""
+        old_gate, new_gate = asyncio.Event(), asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=old_gate))
+        upstream.script("/api/new", Behavior(gate=new_gate))
+        old = asyncio.create_task(gw.post("/tool/old", headers=fenced("shared/b", 1)))
+        await upstream.wait_received(1)
+        new = asyncio.create_task(gw.post("/tool/new", headers=fenced("shared/b", 2)))
+        await asyncio.sleep(0.3)
+        old_gate.set()
+        (await old).release()
+        await upstream.wait_received(1, path="/api/new")
+        [sent] = upstream.received(path="/api/new")
+        pending = await receipt(gw, sent.headers["X-Receipt-Id"])
+        new_gate.set()
+        (await new).release()
+        assert pending["status"] == "pending"
+        waited = parse_rfc3339(pending["forwarded_at"]) - parse_rfc3339(pending["created_at"])
+        assert waited >= 0.25
+
+
+class TestStalledClient:
+    """A client that stops reading its answer cannot hold its resource past the deadline."""
+
+    async def test_new_owner_gets_through(self, gw, upstream):
+        upstream.script("/api/big", Behavior(body=b"x" * (16 * 1024 * 1024)))
+        _reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"POST /tool/big HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: shared/c\r\n"
+                     b"X-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()  # ... and never read a byte of the answer
+        await upstream.wait_received(1)
+        try:
+            async with gw.post("/tool/next", headers=fenced("shared/c", 2)) as answer:
+                assert answer.status == 200
+        finally:
+            writer.close()
+
+
+class TestLeases:
+    async def test_a_release_after_expiry_still_owes_its_cleanup(self, tmp_path):
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        try:
+            _, lease, _ = await store.acquire("run/a", "w", 0.05, 0, None, None)
+            await asyncio.sleep(0.1)
+            assert await store.release("run/a", "w", lease["fence"]) == (True, None)
+            [expired] = await store.expire_leases(lambda resource, owner: 0.0)
+            assert (expired["resource"], expired["state"]) == ("run/a", "expired")
+            assert [c["resource"] for c in await store.list_cleanups()] == ["run/a"]
+        finally:
+            await store.close()
+
+    async def test_the_sweeper_owner_prefix_is_reserved(self, gw):
+        async with gw.post("/_gateway/v1/leases/run/b",
+                           json={"owner": "gateway-sweeper:me"}) as r:
+            assert (r.status, (await r.json())["code"]) == (400, "invalid_request")
+
+
+class TestBadInput:
+    """Every bad input is a problem+json 4xx, never a 500."""
+
+    @pytest.mark.parametrize(("method", "path", "kwargs", "expected"), [
+        ("POST", "/_gateway/v1/leases/run/c", {"data": "[" * 100_000}, (400, "invalid_request")),
+        ("GET", "/_gateway/v1/receipts?fence_min=9999999999999999999", {},
+         (400, "invalid_request")),
+        ("DELETE", "/_gateway/v1/leases/run/c?force=maybe", {}, (400, "invalid_request")),
+    ])
+    async def test_refused(self, gw, method, path, kwargs, expected):
+        async with gw.request(method, path, **kwargs) as r:
+            assert (r.status, (await r.json())["code"]) == expected
+
+    async def test_connect_in_authority_form_is_405(self, gw):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"405"
+
+    async def test_a_trickled_api_body_times_out(self, gw):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"POST /_gateway/v1/leases/run/d HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"408"
+
+
+class TestMetrics:
+    async def test_refusals_before_routing_by_rule_are_counted(self, gw):
+        async with gw.post("/tool/x", headers={"X-Fence-Token": "1"}) as r:
+            assert r.status == 428
+        registry = gw.server.app[keys.METRICS].registry
+        assert registry.get_sample_value("fence_gateway_rejections_total", {
+            "upstream": "tool", "code": "missing_resource"}) == 1
+
+    async def test_recovery_counts_lost_outcomes(self, tmp_path, upstream):
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        await store.admit(call(1))
+        await store.close()
+        again = SqliteStore(tmp_path / "gw.db", instance="two")
+        await again.open()
+        await again.close()
+        assert again.recovered == {"tool": 1}
+
+
+class TestStore:
+    async def test_a_second_path_to_the_same_database_is_refused(self, tmp_path):
+        first = SqliteStore(tmp_path / "gw.db", instance="one")
+        await first.open()
+        os.symlink(tmp_path / "gw.db", tmp_path / "alias.db")
+        try:
+            with pytest.raises(StoreLocked):
+                await SqliteStore(tmp_path / "alias.db", instance="two").open()
+        finally:
+            await first.close()
+
+    def test_ids_keep_their_order_when_the_clock_goes_back(self):
+        before = MonotonicUlid()
+        last = before(now=2_000_000_000.0)
+        after = MonotonicUlid()
+        after.continue_after(last)
+        assert after(now=1_000_000_000.0) > last
+
