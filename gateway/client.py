@@ -169,6 +169,11 @@ class GatewayClient:
     Pass `session` to share your own (it is then not closed here). `key` goes out as
     `Authorization: Bearer` on /_gateway/v1 calls and `Proxy-Authorization: Bearer` on
     proxied ones, as SPEC section 10 asks.
+
+    A session made here never resends a request by itself. A session you pass should be set
+    the same way, `session._retry_connection = False`: otherwise aiohttp silently sends a PUT
+    or DELETE a second time when the keep-alive connection it reused turns out dead, and the
+    second copy of a fenced call is a new attempt the gateway may forward again.
     """
 
     def __init__(self, base_url: str, key: str | None = None,
@@ -176,7 +181,14 @@ class GatewayClient:
         self.base_url = base_url.rstrip("/")
         self._key = key
         self._own_session = session is None
-        self.session = session or aiohttp.ClientSession()
+        if session is None:
+            session = aiohttp.ClientSession()
+            # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a
+            # reused keep-alive connection turns out dead. A fenced call must be sent at most
+            # once (the caller decides whether to retry, with the same Idempotency-Key), so
+            # that retry is switched off (there is no public switch).
+            session._retry_connection = False
+        self.session = session
 
     async def __aenter__(self) -> GatewayClient:
         return self

@@ -2,7 +2,9 @@
 the line and the field (`policies/a.yaml:14: resources[2].lease.ttl_s: 0 is not > 0`).
 
 YAML is composed into nodes first so that a pydantic error location can be traced back to the
-line it came from. Policy files and the clients file both load through here.
+line it came from. A key written twice in one mapping is an error: plain YAML loading keeps the
+last one silently, so a second `url:` or `fenced_methods:` would quietly undo the first. Policy
+files and the clients file both load through here.
 """
 
 from __future__ import annotations
@@ -14,10 +16,40 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class ConfigFileError(Exception):
     """A configuration file is unusable; the message is `file:line: field: problem`."""
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping holds the same key twice; `mark` is where the second one starts."""
+
+    def __init__(self, key: Any, mark: yaml.Mark, first: yaml.Mark) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.mark, self.first = key, mark, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping.
+
+    The check runs as each mapping is composed, on the keys as written: by construction
+    time a `<<` merge may already have copied another mapping's keys into it (PyYAML flattens
+    merged mappings in place), and overriding a merged key is what a merge is for.
+    """
+
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue  # a non-scalar key is refused by the schema anyway
+            key = self.construct_object(key_node)  # so `1` and `0x1`, `on` and `true` clash
+            if key in seen:
+                raise DuplicateKeyError(key, key_node.start_mark, seen[key])
+            seen[key] = key_node.start_mark
+        return node
 
 
 class YamlFile:
@@ -45,10 +77,14 @@ class YamlFile:
 def _parse(file: Path) -> tuple[Any, yaml.Node | None]:
     try:
         text = file.read_text(encoding="utf-8")
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        document = yaml.safe_load(text)
+        # Composed apart from the data: constructing flattens `<<` merges into the nodes.
+        root = yaml.compose(text, Loader=_StrictLoader)
+        document = yaml.load(text, Loader=_StrictLoader)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigFileError(f"{file}: cannot read: {exc}") from None
+    except DuplicateKeyError as exc:
+        raise ConfigFileError(f"{file}:{exc.mark.line + 1}: duplicate key {exc.key!r} (first "
+                              f"at line {exc.first.line + 1})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1

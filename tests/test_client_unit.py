@@ -8,6 +8,7 @@ sent" is checked where it matters: on the server, and in the client session's ow
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -386,3 +387,58 @@ class TestAcquire:
         assert (type(refusal), refusal.status, refusal.code) == (
             GatewayError, 403, "resource_not_allowed")
         assert len(fake.of("POST")) == 1
+
+
+class DropsReusedConnections:
+    """A raw HTTP/1.1 server: on each connection it answers the first request (with a lease
+    record, so an acquire works) and reads the second whole, then closes without answering.
+
+    That is a keep-alive connection dying under a reused request, after the request arrived:
+    a client that resends it makes the tool act twice.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []  # "METHOD target", in arrival order
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for turn in (1, 2):
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, target, _ = head[0].split(" ", 2)
+                length = next((int(line.split(":", 1)[1]) for line in head[1:]
+                               if line.lower().startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                self.received.append(f"{method} {target}")
+                if turn == 2:
+                    return
+                now = _iso(datetime.now(UTC))
+                body = json.dumps({"resource": RESOURCE, "owner": "run-1", "fence": 1,
+                                   "state": "held", "acquired_at": now, "renewed_at": None,
+                                   "expires_at": _iso(datetime.now(UTC) + timedelta(seconds=30))
+                                   }).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+class TestSentAtMostOnce:
+    """aiohttp resends a PUT or DELETE once when a reused connection turns out dead."""
+
+    async def test_a_fenced_put_on_a_dead_keep_alive_connection_is_sent_once(self) -> None:
+        tool = DropsReusedConnections()
+        server = await asyncio.start_server(tool.serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, GatewayClient(f"http://127.0.0.1:{port}", key="k") as gw, \
+                gw.lease(RESOURCE, owner="run-1", ttl_s=30, auto_renew=False) as lease:
+            try:  # goes out on the acquire's keep-alive connection, which then dies
+                await lease.put("/tool/send", json={"text": "hi"})
+                answered = True
+            except aiohttp.ServerDisconnectedError:
+                answered = False
+        assert tool.received == [f"POST {LEASE_PATH}", "PUT /tool/send",
+                                 f"DELETE {LEASE_PATH}?owner=run-1&fence=1"]
+        assert not answered  # the caller learns the outcome is unknown; retrying is its call

@@ -34,7 +34,8 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
     """Load, validate and merge every policy file under `path`.
 
     `environ` resolves `${NAME}` in `inject_headers`; `warnings` collects advice that does
-    not stop the gateway (an external issuer without a signature secret).
+    not stop the gateway (an external issuer without a signature secret, an upstream that no
+    rule fences).
     """
     env = os.environ if environ is None else environ
     upstreams: list[Upstream] = []
@@ -60,6 +61,12 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
         if rule.upstream not in names:
             raise PolicyError(f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
                               f" which no policy file declares (known: {sorted(names)})")
+    if warnings is not None:
+        # Allowed (a read-only tool needs no fencing), but it fails open: say so at start.
+        ruled = {rule.upstream for rule in rules}
+        warnings.extend(
+            f"{seen['name', u.name]}: upstream {u.name} has no resource rule: every call to it "
+            "is forwarded unfenced, without a receipt" for u in upstreams if u.name not in ruled)
     secrets = {r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()
                for r in rules if r.lease.hmac_secret_env}
     return PolicySet(upstreams, rules, secrets)

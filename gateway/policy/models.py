@@ -17,6 +17,10 @@ from gateway.policy.match import glob_matches
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
+_MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
+# host[:port]: a reg-name of unreserved characters or a bracketed IPv6 literal.
+_AUTHORITY = re.compile(r"(?P<host>[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>.*))?")
 
 
 class _Model(BaseModel):
@@ -43,23 +47,45 @@ class Upstream(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        parts = urlsplit(value)
+        try:
+            parts = urlsplit(value)
+        except ValueError as exc:  # a bracketed host that is no IPv6 address
+            raise ValueError(str(exc)) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL with a host")
+            raise ValueError("not an http(s) URL with a host")
+        if "@" in parts.netloc:
+            # The authority becomes the Host header: credentials there would reach the tool's
+            # logs and every proxy on the way. Credentials belong in inject_headers.
+            raise ValueError("no user:password@ in an upstream URL; put credentials in "
+                             "inject_headers (e.g. Authorization)")
+        authority = _AUTHORITY.fullmatch(parts.netloc)
+        if authority is None:
+            raise ValueError("the host must be a name, an IPv4 address or a [bracketed] "
+                             "IPv6 address, with an optional :port")
+        port = authority.group("port")
+        if port is not None and not (port.isascii() and port.isdigit()
+                                     and 1 <= int(port) <= 65535):
+            raise ValueError(f"port {port!r} is not a number from 1 to 65535")
         if parts.query or parts.fragment:
-            raise ValueError(f"{value!r}: no query or fragment in an upstream URL")
+            raise ValueError("no query or fragment in an upstream URL")
         return value.rstrip("/")
 
     @field_validator("mount")
     @classmethod
     def _mount(cls, value: str) -> str:
-        if not value.startswith("/") or (value != "/" and value.endswith("/")) or "//" in value:
-            raise ValueError(f"{value!r}: a mount is '/' or '/a/b' without a trailing '/'")
+        if value == "/":
+            raise ValueError("a mount of '/' would swallow /_gateway/, which belongs to the "
+                             "gateway itself")
+        if not _MOUNT.fullmatch(value):
+            # Matched byte for byte against the raw request path, so anything that could be
+            # percent-encoded, a query or a fragment would make it match never or by surprise.
+            raise ValueError("a mount is '/a' or '/a/b': segments of letters, digits and "
+                             "-._~!$&'()*+,;=:@ only (no percent-encoding, no empty segment, "
+                             "no trailing '/')")
         if any(seg in (".", "..") for seg in value.split("/")):
-            raise ValueError(f"{value!r}: no '.' or '..' segment in a mount")
-        if value == "/_gateway" or value.startswith("/_gateway/") or value == "/":
-            # '/' would swallow /_gateway/ too
-            raise ValueError(f"{value!r}: /_gateway/ belongs to the gateway itself")
+            raise ValueError("no '.' or '..' segment in a mount")
+        if value == "/_gateway" or value.startswith("/_gateway/"):
+            raise ValueError("/_gateway/ belongs to the gateway itself")
         return value
 
     @field_validator("inject_headers")
@@ -72,7 +98,8 @@ class Upstream(_Model):
 
     @property
     def authority(self) -> str:
-        return urlsplit(self.url).netloc
+        """`host[:port]` as written in `url`: the Host header the tool receives."""
+        return urlsplit(self.url).netloc.rpartition("@")[2]  # `_url` refuses userinfo anyway
 
 
 class Lease(_Model):
@@ -97,6 +124,17 @@ class Idempotency(_Model):
     retention_s: float = Field(86400, gt=0)
     replay_max_bytes: int = Field(65536, ge=0)
     retry_statuses: frozenset[int] = frozenset({408, 425, 429, 503})
+
+    @field_validator("retry_statuses")
+    @classmethod
+    def _statuses(cls, value: frozenset[int]) -> frozenset[int]:
+        for status in sorted(value):
+            if not 100 <= status <= 599:
+                raise ValueError(f"{status} is not an HTTP status (100 to 599)")
+            if 200 <= status <= 299:
+                raise ValueError(f"{status} is a success: a 2xx answer is `succeeded`, replayed "
+                                 "and never retried")
+        return value
 
 
 PLACEHOLDERS = frozenset({"resource", "name", "idempotency_key", "receipt_id", "fence"})
@@ -146,12 +184,20 @@ class ResourceRule(_Model):
     on_expiry: CallTemplate | None = None
     probe: CallTemplate | None = None
 
+    @field_validator("fenced_methods")
+    @classmethod
+    def _fences_something(cls, value: frozenset[str]) -> frozenset[str]:
+        if not value:
+            raise ValueError("at least one method: a rule fencing none leaves every call "
+                             "unfenced (to mean that, leave the upstream without a rule)")
+        return value
+
     @field_validator("match")
     @classmethod
     def _match(cls, value: str) -> str:
         probe = value.replace("**", "x").replace("*", "x")
         if not valid_resource(probe):
-            raise ValueError(f"{value!r} is not a resource glob")
+            raise ValueError("not a resource glob")
         return value
 
     def covers(self, resource: str) -> bool:
