@@ -319,6 +319,8 @@ class GatewayStartError(RuntimeError):
 class GatewayProcess:
     """`python -m gateway serve` in a subprocess, configured by GATEWAY_* variables only."""
 
+    ready_path = "/_gateway/readyz"  # started once this answers 200
+
     def __init__(
         self,
         workdir: Path,
@@ -420,7 +422,7 @@ class GatewayProcess:
                         f"gateway exited with {code} before ready:\n{self.stderr_text()}"
                     )
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    async with session.get(f"{self.url}/_gateway/readyz") as resp:
+                    async with session.get(f"{self.url}{self.ready_path}") as resp:
                         if resp.status == 200:
                             return
                 if time.monotonic() > deadline:

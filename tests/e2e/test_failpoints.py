@@ -10,7 +10,6 @@ older than `timeout_s` + `GATEWAY_RECONCILE_GRACE_S` `outcome_unknown`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +21,6 @@ from tests.harness import (
     Behavior,
     GatewayFactory,
     GatewayProcess,
-    GatewayStartError,
     RecordingUpstream,
     call,
     fenced_headers,
@@ -195,25 +193,7 @@ class HealthzGateway(GatewayProcess):
     The harness waits for `readyz`, which must stay 503 while the store refuses writes.
     """
 
-    async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        timeout = aiohttp.ClientTimeout(total=1.0)
-        async with aiohttp.ClientSession(timeout=timeout) as client:
-            while True:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    self._reap()
-                    raise GatewayStartError(
-                        f"gateway exited with {self.proc.returncode}:\n{self.stderr_text()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    async with client.get(f"{self.url}/_gateway/healthz") as resp:
-                        if resp.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    self.kill9_sync()
-                    raise GatewayStartError(f"no healthz within {self.ready_timeout}s")
-                await asyncio.sleep(0.05)
+    ready_path = "/_gateway/healthz"
 
 
 @pytest.fixture
