@@ -95,8 +95,9 @@ def _count(request: web.Request, response: web.StreamResponse,
 
 def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
          request_id: str, fields: dict[str, Any], started: float) -> None:
+    replayed = response.headers.get("Idempotent-Replayed") == "true"
     logs.event(
-        "rejected" if error is not None else "call",
+        "rejected" if error is not None else "replayed" if replayed else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),

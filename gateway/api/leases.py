@@ -52,9 +52,12 @@ async def acquire(request: web.Request) -> web.Response:
     if result == "held":
         metrics.acquisitions.labels("conflict").inc()
         free_at = parse_rfc3339(lease["expires_at"]) + rule.lease.lock_delay_s
+        why = (f"its lease expired, and its lock delay of {rule.lease.lock_delay_s}s has not"
+               if lease["state"] != "held" else "it is held until its lease expires or is "
+               "released")
         raise errors.LeaseHeld(
-            f"{resource!r} is held until its lease expires or is released (also for its "
-            "own owner name: only a retry with the same Idempotency-Key gets that lease)",
+            f"{resource!r} cannot be taken yet: {why} (also for its own owner name: only a "
+            "retry with the same Idempotency-Key gets that lease)",
             retry_after=max(1, math.ceil(free_at - time.time())),
             holder=lease["owner"], expires_at=lease["expires_at"])
     if result == "retried":
@@ -139,6 +142,7 @@ async def list_leases(request: web.Request) -> web.Response:
 
 def _resource(request: web.Request) -> tuple[str, ResourceRule]:
     resource = request.match_info["resource"]
+    request[keys.LOG_FIELDS] = {"resource": resource}  # problems name it (SPEC 5)
     if not headers.valid_resource(resource):
         raise errors.InvalidResource(
             f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "

@@ -104,8 +104,8 @@ class SqliteStore:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreLocked(f"{self.path} is in use by another gateway process; SQLite "
-                              "serves one process: use PostgreSQL for replicas") from None
+            raise StoreLocked(f"{self.path} is in use by another gateway process; a SQLite "
+                              "database serves one gateway process") from None
         self._lock_fd = fd
 
     def _connect(self, read_only: bool) -> sqlite3.Connection:
@@ -129,8 +129,8 @@ class SqliteStore:
         conn.execute("INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) "
                      "VALUES (?, ?, ?)", (self.instance, now, now))
         self.recovered = _count_by_upstream(conn.execute(
-            "UPDATE receipts SET status = 'outcome_unknown' WHERE status = 'pending' "
-            "RETURNING upstream").fetchall())
+            "UPDATE receipts SET status = 'outcome_unknown', error = 'gateway_restarted' "
+            "WHERE status = 'pending' RETURNING upstream").fetchall())
         last = conn.execute("SELECT max(id) AS id FROM receipts").fetchone()["id"]
         conn.execute("COMMIT")
         if last is not None:
@@ -327,7 +327,7 @@ class SqliteStore:
             resolution = {"outcome": outcome, "source": source, "note": note,
                           "at": rfc3339(now)}
             conn.execute("UPDATE receipts SET status = 'reconciled', resolution = ?, "
-                         "completed_at = ? WHERE id = ?",
+                         "completed_at = coalesce(completed_at, ?) WHERE id = ?",
                          (json.dumps(resolution), now, receipt_id))
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
             updated = conn.execute("SELECT * FROM receipts WHERE id = ?",
@@ -645,8 +645,9 @@ class SqliteStore:
                     or (row["forwarded_at"] or row["created_at"])
                     + wait_s.get(row["upstream"], default_wait_s) < now)
             ]
-            conn.executemany("UPDATE receipts SET status = 'outcome_unknown' WHERE id = ? AND "
-                             "status = 'pending'", [(row["id"],) for row in lost])
+            conn.executemany("UPDATE receipts SET status = 'outcome_unknown', error = "
+                             "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
+                             [(row["id"],) for row in lost])
             return _count_by_upstream(lost)
 
         return await self._write(op)
