@@ -76,10 +76,12 @@ class Clients:
         scheme, _, key = values[0].partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise errors.Unauthenticated("the credential must be 'Bearer <key>'")
-        digest = hashlib.sha256(key.strip().encode()).hexdigest().encode()
+        # surrogateescape: header bytes that are not UTF-8 hash, and simply match no client
+        digest = hashlib.sha256(key.strip().encode("utf-8", "surrogateescape")).hexdigest()
+        digest_bytes = digest.encode()
         found = None
         for client in self._clients:  # no early exit: the time taken says nothing
-            if hmac.compare_digest(digest, client.key_sha256.encode()):
+            if hmac.compare_digest(digest_bytes, client.key_sha256.encode()):
                 found = client
         if found is None:
             raise errors.Unauthenticated("the key names no client")

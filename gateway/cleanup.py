@@ -179,8 +179,9 @@ class Cleaner:
             in_flight = app[keys.IN_FLIGHT]
             in_flight.add(receipt_id)
             try:
-                if not await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id):
-                    outcome = Outcome("not_sent", error="resource_busy")
+                blocked = await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id)
+                if blocked is not None:
+                    outcome = Outcome("not_sent", error=blocked)
                 else:
                     path = template.render(resource, fence, key, receipt_id)
                     sent = upstream_headers(None, upstream, frozenset(), fenced_headers(

@@ -31,3 +31,4 @@ IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 LOG_FIELDS: web.RequestKey[dict[str, object]] = web.RequestKey("log_fields", dict)
 CLIENT: web.RequestKey[Client] = web.RequestKey("client")
+REPLAYED: web.RequestKey[bool] = web.RequestKey("replayed", bool)  # answered from the store

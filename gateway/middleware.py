@@ -83,8 +83,7 @@ def _count(request: web.Request, response: web.StreamResponse,
     metrics = request.app[keys.METRICS]
     upstream = str(fields.get("upstream") or "-")  # "-": refused before it was routed
     if error is None:
-        replayed = response.headers.get("Idempotent-Replayed") == "true"
-        result = "replayed" if replayed else "forwarded"
+        result = "replayed" if request.get(keys.REPLAYED) else "forwarded"
     elif error.code in _ERROR_CODES:
         result = "error"
     else:
@@ -95,9 +94,9 @@ def _count(request: web.Request, response: web.StreamResponse,
 
 def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
          request_id: str, fields: dict[str, Any], started: float) -> None:
-    replayed = response.headers.get("Idempotent-Replayed") == "true"
     logs.event(
-        "rejected" if error is not None else "replayed" if replayed else "call",
+        "rejected" if error is not None else "replayed" if request.get(keys.REPLAYED)
+        else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),

@@ -1,10 +1,11 @@
 """Per-resource ordering of fenced calls inside one gateway process (SPEC 3, "Ordering").
 
 Two rules:
-* takeover: a call waits, before it is forwarded, until no call of the same resource with
-  a *lower* fence is still in flight, so the tool never sees the new owner's call overtaken by
-  the old owner's. A call registers its fence before admission: whichever call of two is
-  admitted first, the later one either waits for it or is refused as stale.
+* takeover: an admitted call waits, before it is forwarded, until the calls of the same
+  resource with a *lower* fence that were in flight when it was admitted have left, so the
+  tool never sees the new owner's call overtaken by the old owner's. A call registers its
+  fence before admission: whichever call of two is admitted first, the later one either waits
+  for it or is refused as stale.
 * serial: calls of a `concurrency: serial` resource take turns, in arrival order.
 
 Lanes live in memory and vanish when a resource has no call; the fences themselves are in the
@@ -14,18 +15,17 @@ store. A lane is per process, which is exact on SQLite (one process per database
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from gateway.store.base import Store
+from gateway.store.base import Store, StoreUnavailable
 
 
 class _Lane:
-    __slots__ = ("fences", "turn", "users", "waiters")
+    __slots__ = ("registered", "turn", "users", "waiters")
 
     def __init__(self) -> None:
-        self.fences: Counter[int] = Counter()
+        self.registered: set[Lane] = set()  # the calls whose fence is registered
         self.turn = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.waiters: list[asyncio.Future[None]] = []
         self.users = 0
@@ -57,11 +57,11 @@ class Lanes:
 class Lane:
     """One call's view of its resource's lane."""
 
-    __slots__ = ("_fence", "_lane", "_turn_taken")
+    __slots__ = ("_lane", "_turn_taken", "fence")
 
     def __init__(self, lane: _Lane) -> None:
         self._lane = lane
-        self._fence: int | None = None
+        self.fence: int | None = None
         self._turn_taken = False
 
     async def take_turn(self, timeout_s: float) -> bool:
@@ -75,17 +75,15 @@ class Lane:
         return True
 
     def register(self, fence: int) -> None:
-        self._fence = fence
-        self._lane.fences[fence] += 1
+        self.fence = fence
+        self._lane.registered.add(self)
 
     def leave(self) -> None:
         """No longer in flight: wake the calls with newer fences that wait for this one."""
         lane = self._lane
-        if self._fence is not None:
-            lane.fences[self._fence] -= 1
-            if lane.fences[self._fence] == 0:
-                del lane.fences[self._fence]
-            self._fence = None
+        if self.fence is not None:
+            lane.registered.discard(self)
+            self.fence = None
             waiters, lane.waiters = lane.waiters, []
             for waiter in waiters:
                 if not waiter.done():
@@ -94,40 +92,47 @@ class Lane:
             self._turn_taken = False
             lane.turn.release()
 
-    def has_older(self) -> bool:
-        """A call with a lower fence is in flight: forwarding this one must wait."""
-        if self._fence is None:
+    def older(self) -> set[Lane]:
+        """The calls with a lower fence registered now. Called once this call is admitted:
+        a lower fence registered later can only be refused as stale, so it is not waited for
+        (else a fenced-out owner sending in a loop could keep the new owner out)."""
+        if self.fence is None:
             raise RuntimeError("register the fence first")
-        return min(self._lane.fences) < self._fence
+        fence = self.fence
+        return {other for other in self._lane.registered
+                if other.fence is not None and other.fence < fence}
 
-    async def wait_for_older(self, timeout_s: float) -> bool:
-        """Wait until no call with a lower fence is in flight; False when `timeout_s` passed."""
-        lane, fence = self._lane, self._fence
-        if fence is None:
-            raise RuntimeError("register the fence first")
+    async def wait_for(self, older: set[Lane], timeout_s: float) -> bool:
+        """Wait until every call of `older` has left; False when `timeout_s` passed."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
-                while min(lane.fences) < fence:
+                while older & self._lane.registered:
                     waiter = loop.create_future()
-                    lane.waiters.append(waiter)
+                    self._lane.waiters.append(waiter)
                     await waiter
         except TimeoutError:
             return False
         return True
 
 
-async def clear_to_forward(lane: Lane, timeout_s: float, store: Store, receipt_id: str) -> bool:
+async def clear_to_forward(lane: Lane, timeout_s: float, store: Store,
+                           receipt_id: str) -> str | None:
     """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
-    served by a serial and a parallel rule at once). False when older calls stayed in flight.
+    served by a serial and a parallel rule at once). None when it may go; else why it may
+    not (`resource_busy`, `store_unavailable`), and it is then never sent.
 
     A call that had to wait leaves later than its admission said: its `forwarded_at` is
     moved to now, durably, before it leaves, so that a reconciler's grace never ends while
     the call may still be running at the tool.
     """
-    if not lane.has_older():
-        return True
-    if not await lane.wait_for_older(timeout_s):
-        return False
-    await store.mark_forwarded(receipt_id)
-    return True
+    older = lane.older()
+    if not older:
+        return None
+    if not await lane.wait_for(older, timeout_s):
+        return "resource_busy"
+    try:
+        await store.mark_forwarded(receipt_id)
+    except StoreUnavailable:
+        return "store_unavailable"
+    return None

@@ -175,10 +175,11 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
     in_flight.add(receipt_id)
     try:
         failpoints.crash_at("after_admit")
-        if not await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id):
-            await _record(request, receipt_id, Outcome("not_sent", error="resource_busy"))
-            raise errors.ResourceBusy(
-                f"older calls of {call.resource!r} stayed in flight for {rule.queue_timeout_s}s",
+        blocked = await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id)
+        if blocked is not None:
+            await _record(request, receipt_id, Outcome("not_sent", error=blocked))
+            raise errors.from_code(blocked, _BLOCKED_DETAIL[blocked].format(
+                resource=call.resource, timeout=rule.queue_timeout_s),
                 retry_after=1, headers=answer_headers)
         sent = fenced_headers(rule, call.resource, call.fence, call.idempotency_key,
                               receipt_id, request_id)
@@ -260,6 +261,11 @@ def _refusal(refused: Refused, rule: ResourceRule) -> errors.GatewayError:
     return error
 
 
+_BLOCKED_DETAIL = {
+    "resource_busy": "older calls of {resource!r} stayed in flight for {timeout}s",
+    "store_unavailable": "the store failed before the call could be sent; it was not sent",
+}
+
 _REFUSAL_DETAIL = {
     "stale_fence": "the fencing token is older than the resource's current owner",
     "fence_not_issued": "the gateway never issued this fencing token for the resource",
@@ -276,6 +282,7 @@ _REFUSAL_DETAIL = {
 async def _replay(request: web.Request, replayed: Replayed, request_id: str, key: str,
                   fence: int) -> web.StreamResponse:
     """The stored answer, as the tool gave it, marked as a replay."""
+    request[keys.REPLAYED] = True
     head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
     response, _ = await stream_back(request, head, None, {
         "Idempotent-Replayed": "true", headers.RECEIPT_HEADER: replayed.receipt_id,
@@ -293,7 +300,8 @@ def _check_signature(request: web.Request, rule: ResourceRule, resource: str, fe
     presented = headers.parse_signature(request.headers) or ""
     secret = request.app[keys.POLICIES].hmac_secrets[env]
     expected = hmac.new(secret, f"{resource}\n{fence}".encode(), sha256).hexdigest()
-    if not hmac.compare_digest(presented.encode(), expected.encode()):
+    # surrogateescape: header bytes that are not UTF-8 compare unequal instead of failing
+    if not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode()):
         raise errors.BadFenceSignature("X-Fence-Signature is missing or wrong")
 
 

@@ -17,6 +17,14 @@ from gateway.policy.match import glob_matches
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_URL_PATH = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*")
+# Headers an upstream's inject_headers may not set: message framing, Host, and what the
+# gateway sets to tell the tool about a fenced call.
+_NOT_INJECTABLE = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+    "trailer", "upgrade", "proxy-connection", "x-lease-resource", "x-fence-token",
+    "x-receipt-id", "x-request-id", "idempotency-key", "x-forwarded-for", "x-forwarded-proto",
+})
 # RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
 _MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
 # host[:port]: a reg-name of unreserved characters or a bracketed IPv6 literal.
@@ -47,6 +55,9 @@ class Upstream(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
+        if any(ord(ch) <= 0x20 or ord(ch) == 0x7F for ch in value):
+            # urlsplit silently drops tabs and newlines; the URL is refused instead
+            raise ValueError("no spaces or control characters in an upstream URL")
         try:
             parts = urlsplit(value)
         except ValueError as exc:  # a bracketed host that is no IPv6 address
@@ -68,6 +79,10 @@ class Upstream(_Model):
             raise ValueError(f"port {port!r} is not a number from 1 to 65535")
         if parts.query or parts.fragment:
             raise ValueError("no query or fragment in an upstream URL")
+        if not _URL_PATH.fullmatch(parts.path):
+            # The base path goes on every request line as it is: a space or a control
+            # character there would make every forwarded request malformed.
+            raise ValueError("the path may hold only RFC 3986 path characters and %XX escapes")
         return value.rstrip("/")
 
     @field_validator("mount")
@@ -94,6 +109,9 @@ class Upstream(_Model):
         for name in value:
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a header name")
+            if name.lower() in _NOT_INJECTABLE:
+                raise ValueError(f"{name!r} is set by the gateway itself (framing, Host or "
+                                 "the fencing headers): it cannot be injected")
         return value
 
     @property

@@ -38,7 +38,8 @@ class TestGroupCommit:
     """Concurrent admissions share commits: fewer fsyncs than calls, each still durable."""
 
     @pytest.mark.parametrize("durability", ["strict", "relaxed"])
-    async def test_batches(self, tmp_path: Path, durability: str) -> None:
+    async def test_concurrent_admissions_share_commits(self, tmp_path: Path,
+                                                      durability: str) -> None:
         store = SqliteStore(tmp_path / "gw.db", instance="one", durability=durability)
         await store.open()
         try:

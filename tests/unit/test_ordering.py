@@ -14,7 +14,7 @@ class TestTakeover:
         async def call(fence: int, hold: float) -> None:
             async with lanes.lane("r") as lane:
                 lane.register(fence)
-                assert await lane.wait_for_older(5)
+                assert await lane.wait_for(lane.older(), 5)
                 events.append(("start", fence))
                 await asyncio.sleep(hold)
                 events.append(("end", fence))
@@ -31,14 +31,28 @@ class TestTakeover:
         async with lanes.lane("r") as a, lanes.lane("r") as b:
             a.register(3)
             b.register(3)
-            assert await b.wait_for_older(0.01)
+            assert await b.wait_for(b.older(), 0.01)
 
     async def test_timeout(self) -> None:
         lanes = Lanes()
         async with lanes.lane("r") as old, lanes.lane("r") as new:
             old.register(1)
             new.register(2)
-            assert not await new.wait_for_older(0.02)
+            assert not await new.wait_for(new.older(), 0.02)
+
+
+    async def test_older_calls_registered_after_admission_are_not_waited_for(self) -> None:
+        """They can only be refused as stale: a fenced-out owner sending in a loop must not
+        keep the new owner out."""
+        lanes = Lanes()
+        async with lanes.lane("r") as old, lanes.lane("r") as new:
+            old.register(1)
+            new.register(2)
+            older = new.older()
+            old.leave()
+            async with lanes.lane("r") as stale:
+                stale.register(1)  # arrives after the new owner's admission
+                assert await new.wait_for(older, 0.01)
 
 
 class TestSerial:

@@ -106,7 +106,7 @@ class TestLoad:
         ("http://h:80x/", r"port '80x'"),
         ("http://user:pass@h", r"no user:password@ .*inject_headers"),
         ("https://token@h/api", r"no user:password@"),
-        ("http://h st/", r"the host must be a name"),
+        ("http://h st/", r"no spaces or control characters"),
         ("http://[zz]:80/", r"does not appear to be an IPv4 or IPv6 address"),
     ])
     def test_bad_upstream_urls(self, tmp_path: Path, url: str, problem: str) -> None:
@@ -215,3 +215,33 @@ class TestCallTemplate:
         assert template.render("browser/acct 1", 7, "k/1?x") == \
             "/s/acct%201/browser%2Facct%201/k%2F1%3Fx/7/{receipt_id}"
         assert template.render("a/b", 1, "k", "01J").endswith("/1/01J")
+
+
+class TestWhatReachesTheWire:
+    """Policy values that would go onto every request line or header block as they are."""
+
+    @pytest.mark.parametrize(("url", "ok"), [
+        ("http://h/api/v1", True), ("http://h/a%20b", True), ("http://h/a b", False),
+        ("http://h/a\tb", False), ("http://h/é", False),
+    ])
+    def test_url_path(self, url: str, ok: bool) -> None:
+        from pydantic import ValidationError
+
+        from gateway.policy.models import Upstream
+
+        try:
+            Upstream(name="a", url=url, mount="/a")
+        except ValidationError:
+            assert not ok
+        else:
+            assert ok
+
+    @pytest.mark.parametrize("name", ["Content-Length", "transfer-encoding", "Host",
+                                      "X-Fence-Token", "Idempotency-Key", "X-Receipt-Id"])
+    def test_inject_headers_cannot_override_framing_or_fencing(self, name: str) -> None:
+        from pydantic import ValidationError
+
+        from gateway.policy.models import Upstream
+
+        with pytest.raises(ValidationError, match="set by the gateway itself"):
+            Upstream(name="a", url="http://h", mount="/a", inject_headers={name: "1"})
