@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import sys
@@ -189,3 +190,12 @@ class TestClientsFile:
         assert result.returncode == 2
         assert result.stderr.strip().splitlines()[-1].startswith(
             f"fence-gateway: {bad}:1: clients: ")
+
+
+async def test_a_key_that_is_not_utf8_is_401(gw) -> None:
+    reader, writer = await asyncio.open_connection(gw.host, gw.port)
+    writer.write(b"GET /_gateway/metrics HTTP/1.1\r\nHost: x\r\n"
+                 b"Authorization: Bearer \xff\xfe\r\n\r\n")
+    status_line = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert status_line.split()[1] == b"401"

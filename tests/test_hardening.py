@@ -206,3 +206,47 @@ class TestStore:
             await second.close()
         assert after.receipt_id > before.receipt_id
 
+
+
+class TestSecondReview:
+    async def test_a_failed_forwarded_at_write_leaves_the_call_not_sent(self, gw, upstream,
+                                                                        monkeypatch):
+        """A store failing between two writes cannot be had for real: that write is made
+        to fail by hand. The call must then be known as never sent, not outcome_unknown."""
+        from gateway.errors import StoreUnavailable
+
+        async def failing(_receipt_id: str) -> None:
+            raise StoreUnavailable("disk gone")
+
+        monkeypatch.setattr(gw.server.app[keys.STORE], "mark_forwarded", failing)
+        gate = asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=gate))
+        old = asyncio.create_task(gw.post("/tool/old", headers=fenced("shared/e", 1)))
+        await upstream.wait_received(1)
+        new = asyncio.create_task(gw.post("/tool/new", headers=fenced("shared/e", 2)))
+        await asyncio.sleep(0.1)
+        gate.set()
+        (await old).release()
+        async with await new as answer:
+            assert (answer.status, (await answer.json())["code"]) == (503, "store_unavailable")
+            record = await receipt(gw, answer.headers["X-Receipt-Id"])
+        assert (record["status"], record["error"]) == ("not_sent", "store_unavailable")
+        assert [r.path for r in upstream.received()] == ["/api/old"]
+
+    async def test_a_tools_own_replay_header_is_not_a_gateway_replay(self, gw, upstream):
+        upstream.script("/api/pay", Behavior(headers={"Idempotent-Replayed": "true"}))
+        async with gw.post("/tool/pay", headers=fenced("shared/f", 1)) as answer:
+            assert answer.status == 200
+        registry = gw.server.app[keys.METRICS].registry
+        assert registry.get_sample_value("fence_gateway_requests_total", {
+            "upstream": "tool", "result": "forwarded"}) == 1
+
+    @pytest.mark.parametrize("header", [b"X-Fence-Signature: \xff\r\n", b""])
+    async def test_non_utf8_header_bytes_are_no_500(self, gw, header):
+        _reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"POST /tool/x HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: shared/g\r\n"
+                     b"X-Fence-Token: 1\r\nX-Lease-Owner: \xff\r\n" + header
+                     + b"Content-Length: 0\r\n\r\n")
+        status_line = await asyncio.wait_for(_reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"400"
