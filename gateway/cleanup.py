@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -34,11 +33,8 @@ from gateway.headers import new_request_id
 from gateway.ordering import clear_to_forward
 from gateway.policy.models import ResourceRule, Upstream
 from gateway.relay import fenced_headers, read_head, upstream_headers
-from gateway.store.base import Admitted, Call, Outcome, Refused
+from gateway.store.base import Admitted, Call, CleanupClaim, Outcome, Refused
 from gateway.upstream import UpstreamFailure
-
-if TYPE_CHECKING:
-    from gateway.store.sqlite import CleanupClaim
 
 SWEEPER_OWNER_PREFIX = "gateway-sweeper:"
 MAX_RETRY_S = 60.0       # the longest wait between two tries of a failing cleanup

@@ -6,14 +6,15 @@ the APIs see only this module, so a new backend never touches them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from gateway.errors import StoreUnavailable
 
-__all__ = ["Admitted", "Call", "Outcome", "ReceiptQuery", "Refused", "Rejection", "Replayed",
-           "Store", "StoreUnavailable", "rfc3339"]
+__all__ = ["Admitted", "Call", "CleanupClaim", "CleanupDelay", "Outcome", "ReceiptQuery",
+           "Refused", "Rejection", "Replayed", "Store", "StoreUnavailable", "rfc3339", "sweep_key"]
 
 OutcomeStatus = Literal["succeeded", "failed", "not_sent", "outcome_unknown"]
 
@@ -136,6 +137,65 @@ class Store(Protocol):
 
     async def prune(self, receipt_retention_s: float) -> int:
         """Delete idempotency keys past retention and completed receipts past theirs."""
+
+    async def resolve(self, receipt_id: str, outcome: str, source: str, note: str | None,
+                      wait_s: dict[str, float], default_wait_s: float) -> dict[str, Any] | str:
+        """Reconcile an `outcome_unknown` receipt past its grace: the receipt, or
+        `not_found` / `not_reconcilable`."""
+
+    async def oldest_unknown_age(self) -> float: ...
+
+    # leases (SPEC 6): the acquire is a compare-and-swap; fences never go back
+    async def acquire(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
+                      client: str | None, acquire_key: str | None,
+                      ) -> tuple[str, dict[str, Any], float | None]: ...
+    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float,
+                    client: str | None = None) -> dict[str, Any] | None: ...
+    async def release(self, resource: str, owner: str | None, fence: int | None,
+                      client: str | None = None) -> tuple[bool, float | None]: ...
+    async def get_lease(self, resource: str) -> dict[str, Any] | None: ...
+    async def list_leases(self, prefix: str | None, state: str | None, after: str | None,
+                          limit: int) -> list[dict[str, Any]]: ...
+    async def expire_leases(self, cleanup_delay: CleanupDelay | None = None,
+                            ) -> list[dict[str, Any]]: ...
+
+    # sweeper cleanups (SPEC 9): owed in the expiry's transaction, claimed with the CAS
+    async def due_cleanups(self, limit: int) -> list[str]: ...
+    async def list_cleanups(self) -> list[dict[str, Any]]: ...
+    async def claim_cleanup(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
+                            recheck_s: float) -> CleanupClaim: ...
+    async def finish_cleanup(self, resource: str, fence: int, done: bool,
+                             retry_at: float | None = None, error: str | None = None) -> None: ...
+    async def drop_cleanup(self, resource: str) -> None: ...
+
+
+CleanupDelay = Callable[[str, str], "float | None"]
+"""(resource, owner of the expired lease) -> the rule's lock delay when a cleanup is owed."""
+
+
+def sweep_key(fence: int) -> str:
+    """The idempotency key of the sweeper's cleanup call under its lease `fence` (SPEC 9)."""
+    return f"gw-sweep-{fence}"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupClaim:
+    """What `claim_cleanup` decided.
+
+    state: `claimed` (the sweeper now holds `fence`: make the call with `key`), `waiting`
+    (an earlier attempt's outcome is pending or unknown: `receipt_id`), `done` (an earlier
+    attempt turned out to have happened), `superseded` (a new owner took the resource; the
+    cleanup is dropped), `busy` (the resource is still held, by `holder`), `not_due`.
+    """
+
+    state: str
+    fence: int | None = None
+    key: str | None = None
+    attempt: int = 0
+    lease_fence: int | None = None
+    lease_owner: str | None = None
+    receipt_id: str | None = None
+    holder: str | None = None
 
 
 def rfc3339(ts: float | None) -> str | None:

@@ -16,7 +16,6 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,15 @@ from gateway.errors import BY_CODE, StoreUnavailable
 from gateway.store.base import (
     Admitted,
     Call,
+    CleanupClaim,
+    CleanupDelay,
     Outcome,
     ReceiptQuery,
     Refused,
     Rejection,
     Replayed,
     rfc3339,
+    sweep_key,
 )
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
@@ -676,37 +678,6 @@ class SqliteStore:
 
         return await self._read(op)
 
-
-
-# -- sweeper cleanups (SPEC 9): the values of the section above ----------------------------
-
-CleanupDelay = Callable[[str, str], "float | None"]
-"""(resource, owner of the expired lease) -> the rule's lock delay when a cleanup is owed."""
-
-
-def sweep_key(fence: int) -> str:
-    """The idempotency key of the sweeper's cleanup call under its lease `fence` (SPEC 9)."""
-    return f"gw-sweep-{fence}"
-
-
-@dataclass(frozen=True, slots=True)
-class CleanupClaim:
-    """What `claim_cleanup` decided.
-
-    state: `claimed` (the sweeper now holds `fence`: make the call with `key`), `waiting`
-    (an earlier attempt's outcome is pending or unknown: `receipt_id`), `done` (an earlier
-    attempt turned out to have happened), `superseded` (a new owner took the resource; the
-    cleanup is dropped), `busy` (the resource is still held, by `holder`), `not_due`.
-    """
-
-    state: str
-    fence: int | None = None
-    key: str | None = None
-    attempt: int = 0
-    lease_fence: int | None = None
-    lease_owner: str | None = None
-    receipt_id: str | None = None
-    holder: str | None = None
 
 
 def _count_by_upstream(rows: list[sqlite3.Row]) -> dict[str, int]:
