@@ -153,7 +153,7 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
         result = await store.admit(call)
         metrics.admission.observe(time.perf_counter() - started)
         if isinstance(result, Refused):
-            raise _refusal(result, rule)
+            raise _refusal(result)
         if isinstance(result, Replayed):
             return await _replay(request, result, request_id, key, fence)
         return await _forward(request, target, rule, call, body, result, lane, request_id)
@@ -252,13 +252,14 @@ async def _quietly(awaitable: object) -> object:
         return None
 
 
-def _refusal(refused: Refused, rule: ResourceRule) -> errors.GatewayError:
+def _refusal(refused: Refused) -> errors.GatewayError:
+    """Admission said no: the problem names the receipt to look at (`receipt_id`) for an
+    idempotency refusal; X-Receipt-Id is the `rejected` receipt this call left."""
     extra = {"receipt_id": refused.holder_receipt_id} if refused.holder_receipt_id else {}
-    retry_after = 1 if refused.code == "idempotency_in_flight" else None
-    error = errors.from_code(refused.code, _REFUSAL_DETAIL.get(refused.code), **extra)
-    error.retry_after = retry_after
-    error.headers[headers.RECEIPT_HEADER] = refused.receipt_id
-    return error
+    return errors.from_code(
+        refused.code, _REFUSAL_DETAIL.get(refused.code),
+        retry_after=1 if refused.code == "idempotency_in_flight" else None,
+        headers={headers.RECEIPT_HEADER: refused.receipt_id}, **extra)
 
 
 _BLOCKED_DETAIL = {
