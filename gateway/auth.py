@@ -26,8 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import errors, keys
 from gateway.config_file import ConfigFileError, YamlFile
-from gateway.headers import valid_resource
-from gateway.policy.match import glob_matches
+from gateway.policy.match import glob_matches, valid_glob
 
 Role = Literal["agent", "reconciler", "admin"]
 OPEN_PATHS = frozenset({"/_gateway/healthz", "/_gateway/readyz"})
@@ -45,7 +44,7 @@ class Client(BaseModel):
     @classmethod
     def _globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for glob in value:
-            if not valid_resource(glob.replace("**", "x").replace("*", "x")):
+            if not valid_glob(glob):
                 raise ValueError(f"{glob!r} is not a resource glob")
         return value
 

@@ -88,9 +88,14 @@ def parse_fence(headers: CIMultiDictProxy[str]) -> int:
     return fence
 
 
+def valid_owner(value: str) -> bool:
+    """An owner name (X-Lease-Owner, a lease's owner): 1 to 128 resource characters."""
+    return _OWNER.fullmatch(value) is not None
+
+
 def parse_owner(headers: CIMultiDictProxy[str]) -> str | None:
     value = single(headers, OWNER_HEADER, errors.InvalidRequest)
-    if value is not None and not _OWNER.fullmatch(value):
+    if value is not None and not valid_owner(value):
         raise errors.InvalidRequest(f"{OWNER_HEADER} {value!r}: 1 to 128 resource characters")
     return value
 

@@ -117,7 +117,7 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
     rejection = _rejection(request, target, resource, fence, client_name)
     try:
         owner = headers.parse_owner(request.headers)
-        rejection = _with(rejection, owner=owner)
+        rejection = replace(rejection, owner=owner)
         client_key = headers.parse_idempotency_key(request.headers)
         if client_key is None and rule.idempotency.key == "require":
             raise errors.MissingIdempotencyKey("this resource requires an Idempotency-Key")
@@ -238,7 +238,7 @@ async def _keep_rejection(request: web.Request, rejection: Rejection,
                           error: errors.GatewayError) -> None:
     """Leave a `rejected` receipt; if the store is down the client still gets `error`."""
     app = request.app
-    kept = _with(rejection, code=error.code, http_status=error.status)
+    kept = replace(rejection, code=error.code, http_status=error.status)
     receipt_id = await _quietly(app[keys.STORE].reject(kept))
     if receipt_id:
         error.headers[headers.RECEIPT_HEADER] = receipt_id
@@ -325,6 +325,3 @@ def _rejection(request: web.Request, target: Target, resource: str, fence: int,
                      upstream=target.upstream.name, method=request.method, path=target.rest,
                      code="", http_status=0)
 
-
-def _with(rejection: Rejection, **changes: object) -> Rejection:
-    return replace(rejection, **changes)  # type: ignore[arg-type]

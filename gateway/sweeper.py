@@ -21,12 +21,13 @@ from aiohttp import web
 
 from gateway import errors, keys, logs
 from gateway.cleanup import Cleaner
+from gateway.probe import wait_times
 
 SILENT_INTERVALS = 3  # an instance this many intervals without a heartbeat is presumed dead
 
 
 async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> None:
-    settings, store, policies = app[keys.SETTINGS], app[keys.STORE], app[keys.POLICIES]
+    settings, store = app[keys.SETTINGS], app[keys.STORE]
     metrics = app[keys.METRICS]
     cleaner = cleaner or Cleaner(app)
     await store.heartbeat()
@@ -34,10 +35,9 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
         metrics.held.observe(max(0.0, lease["held_seconds"]))
         logs.event("lease_expired", resource=lease["resource"], fence=lease["fence"],
                    owner=lease["owner"])
-    grace = settings.reconcile_grace_s
-    waits = {name: u.timeout_s + grace for name, u in policies.upstreams.items()}
+    waits, default_wait = wait_times(app)
     lost = await store.expire_pending(
-        waits, max(waits.values(), default=30.0),
+        waits, default_wait,
         SILENT_INTERVALS * settings.sweep_interval_s, frozenset(app[keys.IN_FLIGHT]))
     count_lost(app, lost)
     await store.prune(settings.receipt_retention_s)

@@ -27,6 +27,7 @@ async def gw(tmp_path: Path, upstream: RecordingUpstream, aiohttp_client: Any) -
     """Two upstreams over one tool: `/tool` serves `shared/*` in parallel, `/serial` serially."""
     parallel = make_policy(upstream.url, [
         {"match": "shared/*", "lease": {"issuer": "external"}},
+        {"match": "signed/*", "lease": {"issuer": "external", "hmac_secret_env": "SECRET"}},
         {"match": "run/*", "lease": {"issuer": "gateway", "ttl_s": 0.3, "max_ttl_s": 5},
          "on_expiry": {"method": "DELETE", "path": "/cleanup/{name}"}},
     ], timeout_s=1)
@@ -39,7 +40,7 @@ async def gw(tmp_path: Path, upstream: RecordingUpstream, aiohttp_client: Any) -
     settings = Settings(_env_file=None, database_url=f"sqlite:///{tmp_path}/gw.db",
                         policies=str(policy), instance_id="t", sweep_interval_s=0.1,
                         body_timeout_s=0.5, reconcile_grace_s=0)
-    return await aiohttp_client(create_app(settings, load_policies(policy)))
+    return await aiohttp_client(create_app(settings, load_policies(policy, {"SECRET": "s"})))
 
 
 def fenced(resource: str, fence: int) -> dict[str, str]:
@@ -241,12 +242,16 @@ class TestSecondReview:
         assert registry.get_sample_value("fence_gateway_requests_total", {
             "upstream": "tool", "result": "forwarded"}) == 1
 
-    @pytest.mark.parametrize("header", [b"X-Fence-Signature: \xff\r\n", b""])
-    async def test_non_utf8_header_bytes_are_no_500(self, gw, header):
-        _reader, writer = await asyncio.open_connection(gw.host, gw.port)
-        writer.write(b"POST /tool/x HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: shared/g\r\n"
-                     b"X-Fence-Token: 1\r\nX-Lease-Owner: \xff\r\n" + header
-                     + b"Content-Length: 0\r\n\r\n")
-        status_line = await asyncio.wait_for(_reader.readline(), 5)
+    @pytest.mark.parametrize(("resource", "header", "status"), [
+        (b"shared/g", b"X-Lease-Owner: \xff", b"400"),         # the owner check refuses it
+        (b"signed/g", b"X-Fence-Signature: \xff", b"403"),     # the signature check does
+    ])
+    async def test_non_utf8_header_bytes_are_no_500(self, gw, upstream, resource, header,
+                                                     status):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"POST /tool/x HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: " + resource
+                     + b"\r\nX-Fence-Token: 1\r\n" + header + b"\r\nContent-Length: 0\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
         writer.close()
-        assert status_line.split()[1] == b"400"
+        assert status_line.split()[1] == status
+        assert upstream.received() == []

@@ -12,8 +12,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.headers import valid_resource
-from gateway.policy.match import glob_matches
+from gateway.policy.match import glob_matches, valid_glob
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -213,8 +212,7 @@ class ResourceRule(_Model):
     @field_validator("match")
     @classmethod
     def _match(cls, value: str) -> str:
-        probe = value.replace("**", "x").replace("*", "x")
-        if not valid_resource(probe):
+        if not valid_glob(value):
             raise ValueError("not a resource glob")
         return value
 
