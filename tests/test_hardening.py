@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from gateway import keys
-from gateway.app import create_app
-from gateway.policy.loader import load_policies
-from gateway.settings import Settings
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.proxy import appkeys
+from gateway.server.app import create_app
 from gateway.store.base import parse_rfc3339
 from gateway.store.sqlite import SqliteStore, StoreLocked
 from tests.harness import Behavior, RecordingUpstream, make_policy, write_policy
@@ -161,7 +161,7 @@ class TestMetrics:
     async def test_refusals_before_routing_by_rule_are_counted(self, gw):
         async with gw.post("/tool/x", headers={"X-Fence-Token": "1"}) as r:
             assert r.status == 428
-        registry = gw.server.app[keys.METRICS].registry
+        registry = gw.server.app[appkeys.METRICS].registry
         assert registry.get_sample_value("fence_gateway_rejections_total", {
             "upstream": "tool", "code": "missing_resource"}) == 1
 
@@ -175,7 +175,7 @@ class TestMetrics:
         settings = Settings(_env_file=None, database_url=f"sqlite:///{tmp_path}/gw.db",
                             policies=str(policy), instance_id="two")
         client = await aiohttp_client(create_app(settings, load_policies(policy)))
-        assert client.server.app[keys.METRICS].registry.get_sample_value(
+        assert client.server.app[appkeys.METRICS].registry.get_sample_value(
             "fence_gateway_outcome_unknown_total", {"upstream": "tool"}) == 1
 
 
@@ -214,12 +214,12 @@ class TestSecondReview:
                                                                         monkeypatch):
         """A store failing between two writes cannot be had for real: that write is made
         to fail by hand. The call must then be known as never sent, not outcome_unknown."""
-        from gateway.errors import StoreUnavailable
+        from gateway.core.errors import StoreUnavailable
 
         async def failing(_receipt_id: str) -> None:
             raise StoreUnavailable("disk gone")
 
-        monkeypatch.setattr(gw.server.app[keys.STORE], "mark_forwarded", failing)
+        monkeypatch.setattr(gw.server.app[appkeys.STORE], "mark_forwarded", failing)
         gate = asyncio.Event()
         upstream.script("/api/old", Behavior(gate=gate))
         old = asyncio.create_task(gw.post("/tool/old", headers=fenced("shared/e", 1)))
@@ -238,7 +238,7 @@ class TestSecondReview:
         upstream.script("/api/pay", Behavior(headers={"Idempotent-Replayed": "true"}))
         async with gw.post("/tool/pay", headers=fenced("shared/f", 1)) as answer:
             assert answer.status == 200
-        registry = gw.server.app[keys.METRICS].registry
+        registry = gw.server.app[appkeys.METRICS].registry
         assert registry.get_sample_value("fence_gateway_requests_total", {
             "upstream": "tool", "result": "forwarded"}) == 1
 

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from gateway import keys
-from gateway.app import create_app
-from gateway.cleanup import Cleaner
-from gateway.policy.loader import load_policies
-from gateway.settings import Settings
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.proxy import appkeys
+from gateway.server.app import create_app
 from gateway.store.base import parse_rfc3339
 from gateway.store.sqlite import SqliteStore
+from gateway.upkeep.cleanup import Cleaner
 from tests.harness import Behavior, RecordingUpstream, make_policy, wait_for, write_policy
 
 API = "/_gateway/v1/leases"
@@ -55,10 +55,10 @@ class Gateway:
 
     @property
     def store(self) -> SqliteStore:
-        return self.app[keys.STORE]
+        return self.app[appkeys.STORE]
 
     def metric(self, name: str, **labels: str) -> float:
-        value = self.app[keys.METRICS].registry.get_sample_value(name, labels)
+        value = self.app[appkeys.METRICS].registry.get_sample_value(name, labels)
         return value or 0.0
 
     async def acquire(self, resource: str, owner: str = "worker-a", ttl_s: float | None = None,
@@ -429,7 +429,7 @@ class TestSweeperCleanup:
             "idempotency_key": "gw-sweep-2", "attempt": 1, "status": "succeeded",
             "http_status": 200, "instance": "test-1"}
         # the sweeper released its lease: the resource is free for a new owner at once
-        await wait_for(lambda: not gw.app[keys.IN_FLIGHT], what="the cleanup to end")
+        await wait_for(lambda: not gw.app[appkeys.IN_FLIGHT], what="the cleanup to end")
         _, _, swept = await gw.send("GET", f"{API}/browser/acct-7")
         assert (swept["owner"], swept["fence"]) == ("gateway-sweeper:test-1", 2)
         status, _, problem = await gw.send("POST", "/tool/click", headers={

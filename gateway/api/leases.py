@@ -15,11 +15,12 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, headers, keys
 from gateway.api import params
-from gateway.cleanup import SWEEPER_OWNER_PREFIX
-from gateway.policy.models import ResourceRule
+from gateway.config.policy import ResourceRule
+from gateway.core import errors
+from gateway.proxy import appkeys, headers
 from gateway.store.base import parse_rfc3339
+from gateway.upkeep.cleanup import SWEEPER_OWNER_PREFIX
 
 STATES = frozenset({"held", "expired", "released"})
 _NUMBER = (int, float)
@@ -39,8 +40,8 @@ async def acquire(request: web.Request) -> web.Response:
                                     "belong to the gateway's sweeper")
     ttl_s = _ttl(body, rule)
     app = request.app
-    metrics = app[keys.METRICS]
-    result, lease, held_seconds = await app[keys.STORE].acquire(
+    metrics = app[appkeys.METRICS]
+    result, lease, held_seconds = await app[appkeys.STORE].acquire(
         resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request),
         acquire_key=key)
     if held_seconds is not None:  # took over an expired lease the sweeper had not marked yet
@@ -71,8 +72,8 @@ async def renew(request: web.Request) -> web.Response:
     owner = _owner(body["owner"])
     fence = _fence(body["fence"])
     ttl_s = _ttl(body, rule)
-    metrics = request.app[keys.METRICS]
-    lease = await request.app[keys.STORE].renew(resource, owner, fence, ttl_s, _client(request))
+    metrics = request.app[appkeys.METRICS]
+    lease = await request.app[appkeys.STORE].renew(resource, owner, fence, ttl_s, _client(request))
     if lease is None:
         metrics.renewals.labels("lost").inc()
         raise errors.LeaseLost(f"this lease on {resource!r} is no longer held: it expired, "
@@ -89,7 +90,7 @@ async def release(request: web.Request) -> web.Response:
     force = query.get("force", "false")
     if force not in ("true", "false"):
         raise errors.InvalidRequest(f"force {force!r}: true or false")
-    store, metrics = request.app[keys.STORE], request.app[keys.METRICS]
+    store, metrics = request.app[appkeys.STORE], request.app[appkeys.METRICS]
     if force == "true":
         if "owner" in query or "fence" in query:
             raise errors.InvalidRequest("a revoke (force=true) takes no owner or fence")
@@ -115,7 +116,7 @@ async def release(request: web.Request) -> web.Response:
 async def get_lease(request: web.Request) -> web.Response:
     params.only(request, ())
     resource, _rule = _resource(request)
-    lease = await request.app[keys.STORE].get_lease(resource)
+    lease = await request.app[appkeys.STORE].get_lease(resource)
     if lease is None:
         raise errors.NotFound(f"no lease was ever taken on {resource!r}")
     return web.json_response(lease)
@@ -128,7 +129,7 @@ async def list_leases(request: web.Request) -> web.Response:
     if state is not None and state not in STATES:
         raise errors.InvalidRequest(f"state {state!r}: one of {sorted(STATES)}")
     size = params.limit(query)
-    items = await request.app[keys.STORE].list_leases(
+    items = await request.app[appkeys.STORE].list_leases(
         query.get("prefix") or None, state, params.decode_cursor(query), size)
     return web.json_response(params.page(items, size, "resource"))
 
@@ -138,12 +139,12 @@ async def list_leases(request: web.Request) -> web.Response:
 
 def _resource(request: web.Request) -> tuple[str, ResourceRule]:
     resource = request.match_info["resource"]
-    request[keys.LOG_FIELDS] = {"resource": resource}  # problems name it (SPEC 5)
+    request[appkeys.LOG_FIELDS] = {"resource": resource}  # problems name it (SPEC 5)
     if not headers.valid_resource(resource):
         raise errors.InvalidResource(
             f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
             "segments separated by single '/', no '.' or '..' segment")
-    rule = request.app[keys.POLICIES].lease_rule(resource)
+    rule = request.app[appkeys.POLICIES].lease_rule(resource)
     if rule is None:
         raise errors.ResourceNotAllowed(
             f"no resource rule with a gateway-issued lease covers {resource!r}")
@@ -179,5 +180,5 @@ def _ttl(body: dict[str, Any], rule: ResourceRule) -> float:
 
 def _client(request: web.Request) -> str | None:
     """The authenticated client's name; None when the gateway runs open."""
-    client = request.get(keys.CLIENT)
+    client = request.get(appkeys.CLIENT)
     return client.name if client is not None else None

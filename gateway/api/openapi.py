@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import BY_CODE
+from gateway.core.errors import BY_CODE
 
 routes = web.RouteTableDef()
 

@@ -6,7 +6,8 @@ import contextlib
 
 from aiohttp import web
 
-from gateway import errors, keys
+from gateway.core import errors
+from gateway.proxy import appkeys
 
 routes = web.RouteTableDef()
 
@@ -22,19 +23,19 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready when the store answers and accepts a write, and policies are loaded."""
     app = request.app
     try:
-        await app[keys.STORE].heartbeat()
+        await app[appkeys.STORE].heartbeat()
     except errors.StoreUnavailable as exc:
         raise errors.StoreUnavailable(f"the store does not accept writes: {exc}") from None
-    return web.json_response({"status": "ready", "instance": app[keys.SETTINGS].instance_id,
-                              "upstreams": sorted(app[keys.POLICIES].upstreams)})
+    return web.json_response({"status": "ready", "instance": app[appkeys.SETTINGS].instance_id,
+                              "upstreams": sorted(app[appkeys.POLICIES].upstreams)})
 
 
 @routes.get("/_gateway/metrics")
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
-    collectors = app[keys.METRICS]
+    collectors = app[appkeys.METRICS]
     with contextlib.suppress(errors.StoreUnavailable):  # keep the last value; see readyz
-        collectors.outcome_unknown_oldest.set(await app[keys.STORE].oldest_unknown_age())
+        collectors.outcome_unknown_oldest.set(await app[appkeys.STORE].oldest_unknown_age())
     return web.Response(body=collectors.render(),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

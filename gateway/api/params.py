@@ -11,7 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, keys
+from gateway.core import errors
+from gateway.proxy import appkeys
 from gateway.store.base import parse_rfc3339
 
 MAX_LIMIT = 1000
@@ -86,7 +87,7 @@ def page(items: list[dict[str, Any]], size: int, key: str) -> dict[str, Any]:
 async def json_body(request: web.Request, fields: dict[str, type | tuple[type, ...]],
                     required: Iterable[str]) -> dict[str, Any]:
     """A JSON object with only `fields` (name -> accepted types), `required` present."""
-    timeout_s = request.app[keys.SETTINGS].body_timeout_s
+    timeout_s = request.app[appkeys.SETTINGS].body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()  # at most the app's client_max_size (1 MiB): 413 above

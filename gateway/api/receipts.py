@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import errors, keys, probe
 from gateway.api import params
+from gateway.core import errors
+from gateway.proxy import appkeys
 from gateway.store.base import ReceiptQuery
+from gateway.upkeep import reconcile
 
 STATUSES = frozenset({"pending", "succeeded", "failed", "not_sent", "outcome_unknown",
                       "rejected", "reconciled"})
@@ -51,14 +53,14 @@ async def reconciliation(request: web.Request) -> web.Response:
 @routes.get("/_gateway/v1/receipts/{id}")
 async def get_receipt(request: web.Request) -> web.Response:
     params.only(request, ())
-    receipt = await request.app[keys.STORE].get_receipt(request.match_info["id"])
+    receipt = await request.app[appkeys.STORE].get_receipt(request.match_info["id"])
     if receipt is None:
         raise errors.NotFound(f"no receipt {request.match_info['id']!r}")
     return web.json_response(receipt)
 
 
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
-    items = await request.app[keys.STORE].list_receipts(query)
+    items = await request.app[appkeys.STORE].list_receipts(query)
     return web.json_response(params.page(items, query.limit, "id"))
 
 
@@ -68,15 +70,15 @@ async def resolve(request: web.Request) -> web.Response:
     params.only(request, ())
     body = await params.json_body(request, _RESOLVE_FIELDS, ("outcome", "source"))
     outcome, source, note = body["outcome"], body["source"], body.get("note")
-    if outcome not in probe.OUTCOMES:
-        raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(probe.OUTCOMES)}")
+    if outcome not in reconcile.OUTCOMES:
+        raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(reconcile.OUTCOMES)}")
     if not source.strip() or len(source) > MAX_SOURCE or not source.isprintable():
         raise errors.InvalidRequest(
             f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters, "
             "e.g. operator:alice or service:billing-reconciler")
     if note is not None and len(note) > MAX_NOTE:
         raise errors.InvalidRequest(f"note: at most {MAX_NOTE} characters")
-    receipt = await probe.resolve(request.app, request.match_info["id"], outcome, source, note)
+    receipt = await reconcile.resolve(request.app, request.match_info["id"], outcome, source, note)
     return web.json_response(receipt)
 
 
@@ -85,4 +87,4 @@ async def probe_receipt(request: web.Request) -> web.Response:
     """Run the policy's probe: the tool's own record resolves the receipt when it is clear."""
     params.only(request, ())
     await params.json_body(request, {}, ())  # no body, or an empty JSON object
-    return web.json_response(await probe.probe(request.app, request.match_info["id"]))
+    return web.json_response(await reconcile.probe(request.app, request.match_info["id"]))

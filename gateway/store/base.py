@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
-from gateway.errors import StoreUnavailable
+from gateway.core.errors import StoreUnavailable
 
 __all__ = ["Admitted", "Call", "CleanupClaim", "CleanupDelay", "Outcome", "ReceiptQuery",
            "Refused", "Rejection", "Replayed", "Store", "StoreUnavailable", "rfc3339", "sweep_key"]

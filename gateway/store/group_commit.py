@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import StoreUnavailable
+from gateway.core.errors import StoreUnavailable
 
 Op = Callable[[sqlite3.Connection], Any]
 

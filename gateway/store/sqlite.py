@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway import admission
-from gateway.errors import BY_CODE, StoreUnavailable
+from gateway.core import admission
+from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.store.base import (
     Admitted,
     Call,

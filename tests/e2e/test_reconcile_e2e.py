@@ -27,10 +27,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from gateway import keys
-from gateway.app import create_app
-from gateway.policy import load_policies
-from gateway.settings import Settings
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.proxy import appkeys
+from gateway.server.app import create_app
 from tests.harness import (
     Behavior,
     CallResult,
@@ -505,7 +505,7 @@ class TestLateOutcomes:
         await upstream.wait_received(1)
         receipt_id = upstream.requests[0].headers["X-Receipt-Id"]
         # Another replica's sweeper finds this instance silent: the receipt is lost to it.
-        store = server.app[keys.STORE]
+        store = server.app[appkeys.STORE]
         assert sum((await store.expire_pending({}, 0.0, 3600.0, frozenset())).values()) == 1
         return gate, task, receipt_id
 
@@ -538,7 +538,7 @@ class TestLateOutcomes:
         base = str(app_server.make_url(""))
         gate, task, receipt_id = await self.hold_a_call(app_server, upstream, session, "k-1")
         # ...and another replica's reconciler resolves it (its grace already passed there).
-        resolved = await app_server.app[keys.STORE].resolve(
+        resolved = await app_server.app[appkeys.STORE].resolve(
             receipt_id, "not_applied", "operator:bob", None, {}, 0.0
         )
         assert resolved["status"] == "reconciled"

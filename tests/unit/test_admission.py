@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway import admission
-from gateway.admission import KeyState, LeaseState, NewAttempt, Refuse, Replay
+from gateway.core import admission
+from gateway.core.admission import KeyState, LeaseState, NewAttempt, Refuse, Replay
 
 RETRY = frozenset({408, 425, 429, 503})
 

@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway import errors, headers
+from gateway.core import errors
+from gateway.proxy import headers
 
 
 def _h(*pairs: tuple[str, str]) -> CIMultiDictProxy[str]:

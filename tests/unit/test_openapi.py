@@ -3,9 +3,9 @@
 import re
 
 from gateway.api.openapi import document
-from gateway.app import create_app
-from gateway.policy.models import PolicySet
-from gateway.settings import Settings
+from gateway.config.policy import PolicySet
+from gateway.config.settings import Settings
+from gateway.server.app import create_app
 
 
 def served_operations() -> set[tuple[str, str]]:

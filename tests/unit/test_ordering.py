@@ -2,7 +2,7 @@
 
 import asyncio
 
-from gateway.ordering import Lanes
+from gateway.proxy.ordering import Lanes
 
 
 class TestTakeover:

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.policy import PolicyError, load_policies
-from gateway.policy.match import glob_matches
-from gateway.policy.models import Upstream
+from gateway.config.policy import Upstream
+from gateway.config.policy_files import PolicyError, load_policies
+from gateway.core.globs import glob_matches
 
 GOOD = """\
 upstreams:
@@ -208,7 +208,7 @@ class TestCallTemplate:
     """Placeholders of sweeper cleanups and probes (SPEC 8)."""
 
     def test_render(self) -> None:
-        from gateway.policy.models import CallTemplate
+        from gateway.config.policy import CallTemplate
 
         template = CallTemplate(method="DELETE",
                                 path="/s/{name}/{resource}/{idempotency_key}/{fence}/{receipt_id}")
@@ -227,7 +227,7 @@ class TestWhatReachesTheWire:
     def test_url_path(self, url: str, ok: bool) -> None:
         from pydantic import ValidationError
 
-        from gateway.policy.models import Upstream
+        from gateway.config.policy import Upstream
 
         try:
             Upstream(name="a", url=url, mount="/a")
@@ -241,7 +241,7 @@ class TestWhatReachesTheWire:
     def test_inject_headers_cannot_override_framing_or_fencing(self, name: str) -> None:
         from pydantic import ValidationError
 
-        from gateway.policy.models import Upstream
+        from gateway.config.policy import Upstream
 
         with pytest.raises(ValidationError, match="set by the gateway itself"):
             Upstream(name="a", url="http://h", mount="/a", inject_headers={name: "1"})

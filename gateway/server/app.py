@@ -7,37 +7,37 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway import keys, proxy
 from gateway.api import leases, openapi, ops, receipts
-from gateway.auth import Clients, authenticate
-from gateway.failpoints import Failpoints
-from gateway.metrics import Metrics
-from gateway.middleware import problems
-from gateway.ordering import Lanes
-from gateway.policy import PolicySet
-from gateway.settings import Settings
+from gateway.config.policy import PolicySet
+from gateway.config.settings import Settings
+from gateway.observe.metrics import Metrics
+from gateway.proxy import appkeys, handler
+from gateway.proxy.failpoints import Failpoints
+from gateway.proxy.ordering import Lanes
+from gateway.proxy.upstream import Upstreams
+from gateway.server.auth import Clients, authenticate
+from gateway.server.middleware import problems
 from gateway.store import create_store
-from gateway.sweeper import count_lost, sweeper_ctx
-from gateway.upstream import Upstreams
+from gateway.upkeep.sweeper import count_lost, sweeper_ctx
 
 
 def create_app(settings: Settings, policies: PolicySet,
                clients: Clients | None = None) -> web.Application:
     app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
-    app[keys.CLIENTS] = clients
-    app[keys.SETTINGS] = settings
-    app[keys.POLICIES] = policies
-    app[keys.METRICS] = Metrics()
-    app[keys.LANES] = Lanes()
-    app[keys.IN_FLIGHT] = set()
-    app[keys.FAILPOINTS] = Failpoints(settings.failpoint_map)
+    app[appkeys.CLIENTS] = clients
+    app[appkeys.SETTINGS] = settings
+    app[appkeys.POLICIES] = policies
+    app[appkeys.METRICS] = Metrics()
+    app[appkeys.LANES] = Lanes()
+    app[appkeys.IN_FLIGHT] = set()
+    app[appkeys.FAILPOINTS] = Failpoints(settings.failpoint_map)
     app.cleanup_ctx.extend([_store_ctx, _upstreams_ctx, sweeper_ctx])
     app.router.add_routes(ops.routes)
     app.router.add_routes(receipts.routes)
     app.router.add_routes(leases.routes)
     app.router.add_routes(openapi.routes)
     app.router.add_route("*", "/_gateway/{tail:.*}", _not_found)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    app.router.add_route("*", "/{tail:.*}", handler.handle)
     return app
 
 
@@ -46,20 +46,20 @@ async def _not_found(request: web.Request) -> web.Response:
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
-    settings = app[keys.SETTINGS]
+    settings = app[appkeys.SETTINGS]
     store = create_store(settings.database_url, instance=settings.instance_id,
                          durability=settings.durability,
-                         before_commit=app[keys.FAILPOINTS].in_commit)
+                         before_commit=app[appkeys.FAILPOINTS].in_commit)
     await store.open()
-    app[keys.STORE] = store
+    app[appkeys.STORE] = store
     count_lost(app, store.recovered)
     yield
     await store.close()
 
 
 async def _upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstreams = Upstreams(app[keys.POLICIES].upstreams)
+    upstreams = Upstreams(app[appkeys.POLICIES].upstreams)
     await upstreams.open()
-    app[keys.UPSTREAMS] = upstreams
+    app[appkeys.UPSTREAMS] = upstreams
     yield
     await upstreams.close()

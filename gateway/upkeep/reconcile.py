@@ -23,10 +23,12 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, headers, keys, logs
-from gateway.relay import upstream_headers
+from gateway.core import errors
+from gateway.observe import logs
+from gateway.proxy import appkeys, headers
+from gateway.proxy.relay import upstream_headers
+from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import parse_rfc3339, rfc3339
-from gateway.upstream import UpstreamFailure
 
 OUTCOMES = ("applied", "not_applied", "compensated")
 PROBE_SOURCE = "policy:probe"
@@ -39,8 +41,8 @@ def wait_times(app: web.Application) -> tuple[dict[str, float], float]:
     """Per upstream, how long after `forwarded_at` a call may still be running upstream:
     its `timeout_s` + `GATEWAY_RECONCILE_GRACE_S`. The second value is for receipts of an
     upstream no longer in the policies (the same default as the sweeper's)."""
-    grace = app[keys.SETTINGS].reconcile_grace_s
-    waits = {name: u.timeout_s + grace for name, u in app[keys.POLICIES].upstreams.items()}
+    grace = app[appkeys.SETTINGS].reconcile_grace_s
+    waits = {name: u.timeout_s + grace for name, u in app[appkeys.POLICIES].upstreams.items()}
     return waits, max(waits.values(), default=30.0)
 
 
@@ -72,7 +74,7 @@ def metric_source(source: str) -> str:
 async def resolve(app: web.Application, receipt_id: str, outcome: str, source: str,
                   note: str | None) -> dict[str, Any]:
     """Reconcile the receipt atomically in the store; the receipt, or NotFound/NotReconcilable."""
-    store = app[keys.STORE]
+    store = app[appkeys.STORE]
     waits, default_wait = wait_times(app)
     result = await store.resolve(receipt_id, outcome, source, note, waits, default_wait)
     if result == "not_found":
@@ -81,7 +83,7 @@ async def resolve(app: web.Application, receipt_id: str, outcome: str, source: s
         current = await store.get_receipt(receipt_id)
         detail = refusal(current, waits, default_wait, time.time()) if current else None
         raise errors.NotReconcilable(detail or f"receipt {receipt_id} is not reconcilable")
-    app[keys.METRICS].reconciliations.labels(outcome, metric_source(source)).inc()
+    app[appkeys.METRICS].reconciliations.labels(outcome, metric_source(source)).inc()
     logs.event("receipt_reconciled", receipt_id=receipt_id, resource=result["resource"],
                fence=result["fence"], upstream=result["upstream"], outcome=outcome,
                source=source)
@@ -90,7 +92,7 @@ async def resolve(app: web.Application, receipt_id: str, outcome: str, source: s
 
 async def get_reconcilable(app: web.Application, receipt_id: str) -> dict[str, Any]:
     """The receipt if it could be resolved now, else NotFound/NotReconcilable."""
-    receipt = await app[keys.STORE].get_receipt(receipt_id)
+    receipt = await app[appkeys.STORE].get_receipt(receipt_id)
     if receipt is None:
         raise errors.NotFound(f"no receipt {receipt_id!r}")
     waits, default_wait = wait_times(app)
@@ -107,8 +109,8 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     `"error"`, status null, when the probe itself could not get an answer).
     """
     receipt = await get_reconcilable(app, receipt_id)
-    upstream = app[keys.POLICIES].upstreams.get(receipt["upstream"])
-    rule = app[keys.POLICIES].rule_for(receipt["upstream"], receipt["resource"])
+    upstream = app[appkeys.POLICIES].upstreams.get(receipt["upstream"])
+    rule = app[appkeys.POLICIES].rule_for(receipt["upstream"], receipt["resource"])
     if upstream is None or rule is None or rule.probe is None:
         raise errors.NotReconcilable(
             f"the policy has no probe for receipt {receipt_id} (upstream "
@@ -122,7 +124,7 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
                              receipt["idempotency_key"] or "", receipt_id)
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
-        answer = await app[keys.UPSTREAMS].send(upstream, template.method, target, sent, None,
+        answer = await app[appkeys.UPSTREAMS].send(upstream, template.method, target, sent, None,
                                                 deadline)
     except UpstreamFailure as failure:
         logs.event("probe_failed", logging.WARNING, receipt_id=receipt_id,
@@ -134,7 +136,7 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     logs.event("probe_answered", receipt_id=receipt_id, upstream=upstream.name,
                request_id=request_id, status=status, outcome=outcome)
     if outcome is None:
-        current = await app[keys.STORE].get_receipt(receipt_id) or receipt
+        current = await app[appkeys.STORE].get_receipt(receipt_id) or receipt
         return {**current, "probe": {"status": status}}
     note = f"probe {template.method} answered {status}"
     return await resolve(app, receipt_id, outcome, PROBE_SOURCE, note)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway import errors
+from gateway.core import errors
 
 RESOURCE_HEADER = "X-Lease-Resource"
 FENCE_HEADER = "X-Fence-Token"

@@ -28,13 +28,15 @@ import time
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway import admission, errors, keys, logs
-from gateway.headers import new_request_id
-from gateway.ordering import clear_to_forward
-from gateway.policy.models import ResourceRule, Upstream
-from gateway.relay import fenced_headers, read_head, upstream_headers
+from gateway.config.policy import ResourceRule, Upstream
+from gateway.core import admission, errors
+from gateway.observe import logs
+from gateway.proxy import appkeys
+from gateway.proxy.headers import new_request_id
+from gateway.proxy.ordering import clear_to_forward
+from gateway.proxy.relay import fenced_headers, read_head, upstream_headers
+from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Admitted, Call, CleanupClaim, Outcome, Refused
-from gateway.upstream import UpstreamFailure
 
 SWEEPER_OWNER_PREFIX = "gateway-sweeper:"
 MAX_RETRY_S = 60.0       # the longest wait between two tries of a failing cleanup
@@ -59,13 +61,13 @@ class Cleaner:
         sweeper's own expired lease owes none: its attempt's row is still there."""
         if owner.startswith(SWEEPER_OWNER_PREFIX):
             return None
-        rule = self._app[keys.POLICIES].lease_rule(resource)
+        rule = self._app[appkeys.POLICIES].lease_rule(resource)
         if rule is None or rule.on_expiry is None:
             return None
         return rule.lease.lock_delay_s
 
     async def start_due(self) -> None:
-        store = self._app[keys.STORE]
+        store = self._app[appkeys.STORE]
         for resource in await store.due_cleanups(DUE_PER_SWEEP):
             if resource not in self._tasks:
                 task = asyncio.create_task(self._clean(resource), name=f"cleanup {resource}")
@@ -93,7 +95,7 @@ class Cleaner:
 
     async def _attempt(self, resource: str) -> None:
         app = self._app
-        settings, store, policies = app[keys.SETTINGS], app[keys.STORE], app[keys.POLICIES]
+        settings, store, policies = app[appkeys.SETTINGS], app[appkeys.STORE], app[appkeys.POLICIES]
         rule = policies.lease_rule(resource)
         if rule is None or rule.on_expiry is None:
             await store.drop_cleanup(resource)
@@ -123,10 +125,10 @@ class Cleaner:
     async def _settle(self, rule: ResourceRule, upstream: Upstream, resource: str,
                       claim: CleanupClaim, outcome: Outcome, receipt_id: str | None) -> None:
         """Count, log and note the attempt's result on the owed row."""
-        settings, store = self._app[keys.SETTINGS], self._app[keys.STORE]
+        settings, store = self._app[appkeys.SETTINGS], self._app[appkeys.STORE]
         fence = claim.fence or 0
         result = _result_of(outcome)
-        self._app[keys.METRICS].cleanups.labels(result).inc()
+        self._app[appkeys.METRICS].cleanups.labels(result).inc()
         fields = {"resource": resource, "fence": fence, "expired_fence": claim.lease_fence,
                   "expired_owner": claim.lease_owner, "attempt": claim.attempt,
                   "receipt_id": receipt_id, "upstream": upstream.name,
@@ -150,7 +152,7 @@ class Cleaner:
                     key: str, owner: str) -> tuple[Outcome, str | None]:
         """The on_expiry call through the fenced path: lane, admit, send once, record."""
         app = self._app
-        store, metrics = app[keys.STORE], app[keys.METRICS]
+        store, metrics = app[appkeys.STORE], app[appkeys.METRICS]
         template = rule.on_expiry
         if template is None:
             raise ValueError(f"the rule for {resource!r} has no on_expiry")
@@ -162,7 +164,7 @@ class Cleaner:
                     fingerprint=admission.fingerprint(method, upstream.mount + recorded_path, b""),
                     retry_statuses=rule.idempotency.retry_statuses,
                     retention_s=rule.idempotency.retention_s)
-        async with app[keys.LANES].lane(resource) as lane:
+        async with app[appkeys.LANES].lane(resource) as lane:
             if rule.concurrency == "serial" and not await lane.take_turn(rule.queue_timeout_s):
                 return Outcome("not_sent", error="resource_busy"), None
             lane.register(fence)
@@ -172,7 +174,7 @@ class Cleaner:
             if not isinstance(result, Admitted):  # a replay: a fresh fence's key cannot have one
                 return Outcome("not_sent", error="replayed"), result.receipt_id
             receipt_id = result.receipt_id
-            in_flight = app[keys.IN_FLIGHT]
+            in_flight = app[appkeys.IN_FLIGHT]
             in_flight.add(receipt_id)
             try:
                 blocked = await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id)
@@ -193,7 +195,7 @@ class Cleaner:
 
     async def _release(self, resource: str, owner: str, fence: int) -> None:
         try:
-            await self._app[keys.STORE].release(resource, owner, fence)
+            await self._app[appkeys.STORE].release(resource, owner, fence)
         except errors.StoreUnavailable as exc:  # the lease runs out by itself
             logs.event("cleanup_release_failed", logging.WARNING, resource=resource,
                        fence=fence, error=str(exc))
@@ -205,13 +207,13 @@ async def _send(app: web.Application, upstream: Upstream, method: str, path: str
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     forwarded_at = time.time()
     try:
-        answer = await app[keys.UPSTREAMS].send(upstream, method, path, sent, None, deadline)
+        answer = await app[appkeys.UPSTREAMS].send(upstream, method, path, sent, None, deadline)
     except UpstreamFailure as failure:
         outcome = failure.as_outcome(forwarded_at)
     else:
         async with answer:
             outcome = (await read_head(answer, keep_max, deadline)).outcome(forwarded_at)
-    app[keys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+    app[appkeys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
     return outcome
 
 

@@ -10,7 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, headers, keys, logs
+from gateway.core import errors
+from gateway.observe import logs
+from gateway.proxy import appkeys, headers
 
 PROBLEM_TYPE = "application/problem+json"
 
@@ -59,9 +61,9 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception:  # a bug: answer cleanly, keep the trace in the log only
         logs.log.exception("unhandled error on %s %s", request.method, request.path)
         error = errors.GatewayError("the gateway failed unexpectedly; see its log")
-    request_id = request.get(keys.REQUEST_ID) or headers.request_id(request.headers) \
+    request_id = request.get(appkeys.REQUEST_ID) or headers.request_id(request.headers) \
         or headers.new_request_id()
-    fields = request.get(keys.LOG_FIELDS)
+    fields = request.get(appkeys.LOG_FIELDS)
     if error is not None:
         response = problem_response(error, request_id, fields)
     if not request.path.startswith("/_gateway/"):
@@ -80,10 +82,10 @@ def _count(request: web.Request, response: web.StreamResponse,
            error: errors.GatewayError | None, fields: dict[str, Any]) -> None:
     """fence_gateway_requests_total and _rejections_total for every proxied call: counted
     here only, so that no refusal, wherever it happens, goes uncounted."""
-    metrics = request.app[keys.METRICS]
+    metrics = request.app[appkeys.METRICS]
     upstream = str(fields.get("upstream") or "-")  # "-": refused before it was routed
     if error is None:
-        result = "replayed" if request.get(keys.REPLAYED) else "forwarded"
+        result = "replayed" if request.get(appkeys.REPLAYED) else "forwarded"
     elif error.code in _ERROR_CODES:
         result = "error"
     else:
@@ -95,7 +97,7 @@ def _count(request: web.Request, response: web.StreamResponse,
 def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
          request_id: str, fields: dict[str, Any], started: float) -> None:
     logs.event(
-        "rejected" if error is not None else "replayed" if request.get(keys.REPLAYED)
+        "rejected" if error is not None else "replayed" if request.get(appkeys.REPLAYED)
         else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "GATEWAY_POLICIES or ./policies)")
     commands.add_parser("hash-key", help="read a client secret on stdin, print its sha256")
     commands.add_parser("demo", help="play the two-worker race live, with its evidence")
-    from gateway import remote
+    from gateway.cli import remote
 
     remote.add_commands(commands)
     return parser
@@ -45,10 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "hash-key":
             return _hash_key()
         if args.command == "demo":
-            from gateway import demo
+            from gateway.cli import demo
 
             return demo.main()
-        from gateway import remote
+        from gateway.cli import remote
 
         return remote.run(args)
     except KeyboardInterrupt:
@@ -61,7 +61,7 @@ def _fail(message: str) -> int:
 
 
 def _settings():
-    from gateway.settings import Settings
+    from gateway.config.settings import Settings
 
     try:
         return Settings()
@@ -76,10 +76,10 @@ class _Abort(Exception):
 
 
 def _serve() -> int:
-    from gateway import logs
-    from gateway.auth import load_clients
-    from gateway.policy import PolicyError, load_policies
-    from gateway.serve import ConfigError, check_open_bind, serve
+    from gateway.config.policy_files import PolicyError, load_policies
+    from gateway.observe import logs
+    from gateway.server.auth import load_clients
+    from gateway.server.serve import ConfigError, check_open_bind, serve
 
     try:
         settings = _settings()
@@ -97,7 +97,7 @@ def _serve() -> int:
 
 
 def _check_policies(path: str | None) -> int:
-    from gateway.policy import PolicyError, load_policies
+    from gateway.config.policy_files import PolicyError, load_policies
 
     try:
         target = path or _settings().policies

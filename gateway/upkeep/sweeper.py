@@ -19,16 +19,18 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway import errors, keys, logs
-from gateway.cleanup import Cleaner
-from gateway.probe import wait_times
+from gateway.core import errors
+from gateway.observe import logs
+from gateway.proxy import appkeys
+from gateway.upkeep.cleanup import Cleaner
+from gateway.upkeep.reconcile import wait_times
 
 SILENT_INTERVALS = 3  # an instance this many intervals without a heartbeat is presumed dead
 
 
 async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> None:
-    settings, store = app[keys.SETTINGS], app[keys.STORE]
-    metrics = app[keys.METRICS]
+    settings, store = app[appkeys.SETTINGS], app[appkeys.STORE]
+    metrics = app[appkeys.METRICS]
     cleaner = cleaner or Cleaner(app)
     await store.heartbeat()
     for lease in await store.expire_leases(cleaner.owed_after):
@@ -38,7 +40,7 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
     waits, default_wait = wait_times(app)
     lost = await store.expire_pending(
         waits, default_wait,
-        SILENT_INTERVALS * settings.sweep_interval_s, frozenset(app[keys.IN_FLIGHT]))
+        SILENT_INTERVALS * settings.sweep_interval_s, frozenset(app[appkeys.IN_FLIGHT]))
     count_lost(app, lost)
     await store.prune(settings.receipt_retention_s)
     await cleaner.start_due()
@@ -47,7 +49,7 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
 def count_lost(app: web.Application, lost: dict[str, int]) -> None:
     """Receipts turned `outcome_unknown` (by recovery or the sweeper), per upstream."""
     for upstream, count in lost.items():
-        app[keys.METRICS].outcome_unknown.labels(upstream).inc(count)
+        app[appkeys.METRICS].outcome_unknown.labels(upstream).inc(count)
         logs.event("receipts_outcome_unknown", logging.WARNING, upstream=upstream, count=count)
 
 
@@ -59,11 +61,11 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await cleaner.close(app[keys.SETTINGS].shutdown_grace_s)
+    await cleaner.close(app[appkeys.SETTINGS].shutdown_grace_s)
 
 
 async def _loop(app: web.Application, cleaner: Cleaner) -> None:
-    interval = app[keys.SETTINGS].sweep_interval_s
+    interval = app[appkeys.SETTINGS].sweep_interval_s
     while True:
         await asyncio.sleep(interval)
         try:

@@ -14,8 +14,9 @@ import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from gateway import errors
-from gateway.headers import (
+from gateway.config.policy import ResourceRule, Upstream
+from gateway.core import errors
+from gateway.proxy.headers import (
     FENCE_HEADER,
     GATEWAY_OWNED,
     HOP_BY_HOP,
@@ -25,7 +26,6 @@ from gateway.headers import (
     connection_named,
     strip,
 )
-from gateway.policy.models import ResourceRule, Upstream
 from gateway.store.base import Outcome
 
 

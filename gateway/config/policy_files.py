@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gateway.config_file import ConfigFileError, YamlFile
-from gateway.policy.models import PolicyFile, PolicySet, ResourceRule, Upstream
+from gateway.config.policy import PolicyFile, PolicySet, ResourceRule, Upstream
+from gateway.config.yaml_file import ConfigFileError, YamlFile
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

@@ -17,8 +17,8 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway import errors
-from gateway.policy.models import Upstream
+from gateway.config.policy import Upstream
+from gateway.core import errors
 from gateway.store.base import Outcome
 
 # aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.

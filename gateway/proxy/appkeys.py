@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from gateway.auth import Client, Clients
-    from gateway.failpoints import Failpoints
-    from gateway.metrics import Metrics
-    from gateway.ordering import Lanes
-    from gateway.policy import PolicySet
-    from gateway.settings import Settings
+    from gateway.config.policy import PolicySet
+    from gateway.config.settings import Settings
+    from gateway.observe.metrics import Metrics
+    from gateway.proxy.failpoints import Failpoints
+    from gateway.proxy.ordering import Lanes
+    from gateway.proxy.upstream import Upstreams
+    from gateway.server.auth import Client, Clients
     from gateway.store import Store
-    from gateway.upstream import Upstreams
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 POLICIES: web.AppKey[PolicySet] = web.AppKey("policies")

@@ -24,9 +24,10 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway import errors, keys
-from gateway.config_file import ConfigFileError, YamlFile
-from gateway.policy.match import glob_matches, valid_glob
+from gateway.config.yaml_file import ConfigFileError, YamlFile
+from gateway.core import errors
+from gateway.core.globs import glob_matches, valid_glob
+from gateway.proxy import appkeys
 
 Role = Literal["agent", "reconciler", "admin"]
 OPEN_PATHS = frozenset({"/_gateway/healthz", "/_gateway/readyz"})
@@ -113,7 +114,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Name the client of every call and check its role for the path (SPEC 3 step 1)."""
-    clients = request.app[keys.CLIENTS]
+    clients = request.app[appkeys.CLIENTS]
     path = request.path
     if clients is None or path in OPEN_PATHS:
         return await handler(request)
@@ -125,7 +126,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
         client = clients.identify(request.headers.getall("Proxy-Authorization", []))
         if not client.may("agent"):
             raise errors.Forbidden(f"client {client.name} may not make proxied calls")
-    request[keys.CLIENT] = client
+    request[appkeys.CLIENT] = client
     return await handler(request)
 
 

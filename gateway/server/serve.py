@@ -9,12 +9,12 @@ import signal
 
 from aiohttp import web
 
-from gateway import logs
-from gateway.app import create_app
-from gateway.auth import Clients
-from gateway.http_server import GatewayRunner
-from gateway.policy import PolicySet
-from gateway.settings import Settings
+from gateway.config.policy import PolicySet
+from gateway.config.settings import Settings
+from gateway.observe import logs
+from gateway.server.app import create_app
+from gateway.server.auth import Clients
+from gateway.server.http_server import GatewayRunner
 
 
 class ConfigError(Exception):

@@ -13,10 +13,12 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from gateway import admission, errors, headers, keys, logs
-from gateway.ordering import Lane, clear_to_forward
-from gateway.policy.models import ResourceRule, Upstream
-from gateway.relay import (
+from gateway.config.policy import ResourceRule, Upstream
+from gateway.core import admission, errors
+from gateway.observe import logs
+from gateway.proxy import appkeys, headers
+from gateway.proxy.ordering import Lane, clear_to_forward
+from gateway.proxy.relay import (
     Head,
     fenced_headers,
     read_body,
@@ -24,8 +26,8 @@ from gateway.relay import (
     stream_back,
     upstream_headers,
 )
+from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Admitted, Call, Outcome, Refused, Rejection, Replayed
-from gateway.upstream import UpstreamFailure
 
 # Client headers never passed on for a fenced call: the gateway sets its own key header.
 _FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(), headers.REQUEST_ID_HEADER.lower()})
@@ -53,7 +55,7 @@ def route(request: web.Request) -> Target:
     path, _, _query = raw.partition("?")
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
         raise errors.InvalidRequest("a path with a '.' or '..' segment is refused")
-    found = request.app[keys.POLICIES].route(path)
+    found = request.app[appkeys.POLICIES].route(path)
     if found is None:
         raise errors.NoRoute(f"no upstream is mounted at {path}")
     upstream, _ = found
@@ -63,9 +65,9 @@ def route(request: web.Request) -> Target:
 async def handle(request: web.Request) -> web.StreamResponse:
     target = route(request)
     request_id = headers.request_id(request.headers) or headers.new_request_id()
-    request[keys.REQUEST_ID] = request_id
-    request[keys.LOG_FIELDS] = {"upstream": target.upstream.name}
-    policies = request.app[keys.POLICIES]
+    request[appkeys.REQUEST_ID] = request_id
+    request[appkeys.LOG_FIELDS] = {"upstream": target.upstream.name}
+    policies = request.app[appkeys.POLICIES]
     if request.method in policies.fenced_methods[target.upstream.name]:
         return await _fenced(request, target, request_id)
     return await _plain(request, target, request_id)
@@ -75,13 +77,13 @@ async def _plain(request: web.Request, target: Target, request_id: str) -> web.S
     """An unfenced call: no admission, no receipt, the fencing headers stripped."""
     app = request.app
     upstream = target.upstream
-    settings = app[keys.SETTINGS]
+    settings = app[appkeys.SETTINGS]
     body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
     sent = upstream_headers(request, upstream, _PLAIN_DROP,
                             {headers.REQUEST_ID_HEADER: request_id}, settings.trusted_networks)
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
-        answer = await app[keys.UPSTREAMS].send(upstream, request.method, target.rest, sent,
+        answer = await app[appkeys.UPSTREAMS].send(upstream, request.method, target.rest, sent,
                                                 _body_or_none(request, body), deadline)
     except UpstreamFailure as failure:
         raise failure.error from None
@@ -94,14 +96,14 @@ async def _plain(request: web.Request, target: Target, request_id: str) -> web.S
 
 async def _fenced(request: web.Request, target: Target, request_id: str) -> web.StreamResponse:
     app = request.app
-    settings, store, metrics = app[keys.SETTINGS], app[keys.STORE], app[keys.METRICS]
+    settings, store, metrics = app[appkeys.SETTINGS], app[appkeys.STORE], app[appkeys.METRICS]
     upstream = target.upstream
     resource = headers.parse_resource(request.headers)
-    client = request.get(keys.CLIENT)
+    client = request.get(appkeys.CLIENT)
     client_name = client.name if client is not None else None
-    facts = request[keys.LOG_FIELDS]
+    facts = request[appkeys.LOG_FIELDS]
     facts.update(resource=resource, client=client_name)
-    rule = app[keys.POLICIES].rule_for(upstream.name, resource)
+    rule = app[appkeys.POLICIES].rule_for(upstream.name, resource)
     refusal = (
         errors.ResourceNotAllowed(f"no resource rule of upstream {upstream.name} matches "
                                   f"{resource!r}") if rule is None
@@ -133,9 +135,9 @@ async def _fenced(request: web.Request, target: Target, request_id: str) -> web.
                 fingerprint=admission.fingerprint(request.method, target.target, body),
                 retry_statuses=rule.idempotency.retry_statuses,
                 retention_s=rule.idempotency.retention_s,
-                clients_configured=app[keys.CLIENTS] is not None)
+                clients_configured=app[appkeys.CLIENTS] is not None)
 
-    async with app[keys.LANES].lane(resource) as lane:
+    async with app[appkeys.LANES].lane(resource) as lane:
         if rule.concurrency == "serial" and not await lane.take_turn(rule.queue_timeout_s):
             busy = errors.ResourceBusy(f"{resource!r} stayed busy for {rule.queue_timeout_s}s",
                                        retry_after=1)
@@ -164,14 +166,14 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
                    request_id: str) -> web.StreamResponse:
     """From a durable `pending` receipt to a recorded outcome and the answer."""
     app = request.app
-    store, metrics, failpoints = app[keys.STORE], app[keys.METRICS], app[keys.FAILPOINTS]
+    store, metrics, failpoints = app[appkeys.STORE], app[appkeys.METRICS], app[appkeys.FAILPOINTS]
     upstream = target.upstream
     receipt_id = admitted.receipt_id
-    request[keys.LOG_FIELDS].update(receipt_id=receipt_id)
+    request[appkeys.LOG_FIELDS].update(receipt_id=receipt_id)
     answer_headers = {headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id,
                       headers.IDEMPOTENCY_HEADER: call.idempotency_key,
                       headers.FENCE_HEADER: str(call.fence)}
-    in_flight = app[keys.IN_FLIGHT]
+    in_flight = app[appkeys.IN_FLIGHT]
     in_flight.add(receipt_id)
     try:
         failpoints.crash_at("after_admit")
@@ -184,12 +186,12 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
         sent = fenced_headers(rule, call.resource, call.fence, call.idempotency_key,
                               receipt_id, request_id)
         upstream_sent = upstream_headers(request, upstream, _FENCED_DROP, sent,
-                                         app[keys.SETTINGS].trusted_networks)
+                                         app[appkeys.SETTINGS].trusted_networks)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + upstream.timeout_s
         forwarded_at = time.time()
         try:
-            answer = await app[keys.UPSTREAMS].send(
+            answer = await app[appkeys.UPSTREAMS].send(
                 upstream, call.method, target.rest, upstream_sent,
                 _body_or_none(request, body), deadline)
         except UpstreamFailure as failure:
@@ -213,7 +215,7 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
             response, broke = await stream_back(request, head, answer, answer_headers, deadline)
         if broke and not head.broken:
             await _quietly(store.mark_incomplete(receipt_id))
-        request[keys.LOG_FIELDS].update(status=head.status)
+        request[appkeys.LOG_FIELDS].update(status=head.status)
         return response
     finally:
         in_flight.discard(receipt_id)
@@ -221,10 +223,10 @@ async def _forward(request: web.Request, target: Target, rule: ResourceRule, cal
 
 async def _record(request: web.Request, receipt_id: str, outcome: Outcome) -> bool:
     """Write the outcome before the answer goes back; False when the store would not."""
-    if request.app[keys.FAILPOINTS].fails("after_upstream"):
+    if request.app[appkeys.FAILPOINTS].fails("after_upstream"):
         return False
     try:
-        result = await request.app[keys.STORE].complete(receipt_id, outcome)
+        result = await request.app[appkeys.STORE].complete(receipt_id, outcome)
     except errors.StoreUnavailable as exc:
         logs.event("outcome_unrecorded", logging.ERROR, receipt_id=receipt_id, error=str(exc))
         return False
@@ -239,7 +241,7 @@ async def _keep_rejection(request: web.Request, rejection: Rejection,
     """Leave a `rejected` receipt; if the store is down the client still gets `error`."""
     app = request.app
     kept = replace(rejection, code=error.code, http_status=error.status)
-    receipt_id = await _quietly(app[keys.STORE].reject(kept))
+    receipt_id = await _quietly(app[appkeys.STORE].reject(kept))
     if receipt_id:
         error.headers[headers.RECEIPT_HEADER] = receipt_id
 
@@ -283,14 +285,14 @@ _REFUSAL_DETAIL = {
 async def _replay(request: web.Request, replayed: Replayed, request_id: str, key: str,
                   fence: int) -> web.StreamResponse:
     """The stored answer, as the tool gave it, marked as a replay."""
-    request[keys.REPLAYED] = True
+    request[appkeys.REPLAYED] = True
     head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
     response, _ = await stream_back(request, head, None, {
         "Idempotent-Replayed": "true", headers.RECEIPT_HEADER: replayed.receipt_id,
         headers.REQUEST_ID_HEADER: request_id, headers.IDEMPOTENCY_HEADER: key,
         headers.FENCE_HEADER: str(fence)},
         # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
-        deadline=asyncio.get_running_loop().time() + request.app[keys.SETTINGS].body_timeout_s)
+        deadline=asyncio.get_running_loop().time() + request.app[appkeys.SETTINGS].body_timeout_s)
     return response
 
 
@@ -299,7 +301,7 @@ def _check_signature(request: web.Request, rule: ResourceRule, resource: str, fe
     if rule.lease.issuer != "external" or not env:
         return
     presented = headers.parse_signature(request.headers) or ""
-    secret = request.app[keys.POLICIES].hmac_secrets[env]
+    secret = request.app[appkeys.POLICIES].hmac_secrets[env]
     expected = hmac.new(secret, f"{resource}\n{fence}".encode(), sha256).hexdigest()
     # surrogateescape: header bytes that are not UTF-8 compare unequal instead of failing
     if not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode()):

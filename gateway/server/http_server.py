@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import errors
-from gateway.middleware import problem_response
+from gateway.core import errors
+from gateway.server.middleware import problem_response
 
 
 class _GatewayRequestHandler(RequestHandler):
