@@ -3,8 +3,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The lowest aiohttp pyproject.toml allows: `make test-floor` runs the suite on it, in a venv
+# of its own.
+AIOHTTP_FLOOR := 3.14.3
+FLOOR_VENV := .venv-floor
+FLOOR_BIN := $(FLOOR_VENV)/bin
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
 
-.PHONY: run test bench lint clean
+.PHONY: run test test-floor bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,19 +18,30 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(FLOOR_STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_BIN)/pip install -q --upgrade pip
+	$(FLOOR_BIN)/pip install -q -e '.[test]' 'aiohttp==$(AIOHTTP_FLOOR)'
+	touch $(FLOOR_STAMP)
+
 run: $(STAMP)
 	mkdir -p var
 	$(BIN)/fence-gateway serve
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) $(FLOOR_VENV) var

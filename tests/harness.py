@@ -53,6 +53,20 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+class FakeClock:
+    """A wall clock a test moves by hand, for a store where time is the subject of the test
+    (`SqliteStore(..., clock=FakeClock(1_000.0))`): no sleeping, no flakiness."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 # --------------------------------------------------------------------------------------------
 # Recording upstream
 # --------------------------------------------------------------------------------------------

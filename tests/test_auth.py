@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from gateway.config.clients import load_clients
 from gateway.config.policy_files import load_policies
 from gateway.config.settings import Settings
 from gateway.config.yaml_file import ConfigFileError
 from gateway.server.app import create_app
-from gateway.server.auth import load_clients
 from tests.harness import RecordingUpstream, make_policy, write_policy
 
 KEYS = {"runner": "k-runner", "other": "k-other", "recon": "k-recon", "root": "k-root"}

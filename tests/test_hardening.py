@@ -14,11 +14,11 @@ import pytest
 
 from gateway.config.policy_files import load_policies
 from gateway.config.settings import Settings
+from gateway.core.times import parse_rfc3339
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
-from gateway.store.base import parse_rfc3339
 from gateway.store.sqlite import SqliteStore, StoreLocked
-from tests.harness import Behavior, RecordingUpstream, make_policy, write_policy
+from tests.harness import Behavior, FakeClock, RecordingUpstream, make_policy, write_policy
 from tests.store.test_contract import call
 
 
@@ -110,15 +110,18 @@ class TestStalledClient:
 
 class TestLeases:
     async def test_a_release_after_expiry_still_owes_its_cleanup(self, tmp_path):
-        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        clock = FakeClock(1_000.0)
+        store = SqliteStore(tmp_path / "gw.db", instance="one", clock=clock)
         await store.open()
         try:
-            _, lease, _ = await store.acquire("run/a", "w", 0.05, 0, None, None)
-            await asyncio.sleep(0.1)
-            assert await store.release("run/a", "w", lease["fence"]) == (True, None)
+            taken = await store.acquire("run/a", "w", 0.05, 0, None, None)
+            clock.advance(0.1)
+            released = await store.release("run/a", "w", taken.lease.fence)
+            assert (released.ok, released.held_seconds) == (True, None)
             [expired] = await store.expire_leases(lambda resource, owner: 0.0)
-            assert (expired["resource"], expired["state"]) == ("run/a", "expired")
-            assert [c["resource"] for c in await store.list_cleanups()] == ["run/a"]
+            assert (expired.resource, expired.fence) == ("run/a", taken.lease.fence)
+            assert (await store.get_lease("run/a")).state == "expired"
+            assert [c.resource for c in await store.list_cleanups()] == ["run/a"]
         finally:
             await store.close()
 
@@ -190,16 +193,14 @@ class TestStore:
         finally:
             await first.close()
 
-    async def test_ids_keep_their_order_when_the_clock_goes_back(self, tmp_path,
-                                                                monkeypatch):
+    async def test_ids_keep_their_order_when_the_clock_goes_back(self, tmp_path):
         """A wall clock stepped back across a restart (the one thing here that cannot be
         had for real, so the store's clock is set by hand)."""
         first = SqliteStore(tmp_path / "gw.db", instance="one")
         await first.open()
         before = await first.admit(call(1, key="a"))
         await first.close()
-        monkeypatch.setattr("gateway.store.sqlite.time.time", lambda: 1_000_000_000.0)
-        second = SqliteStore(tmp_path / "gw.db", instance="two")
+        second = SqliteStore(tmp_path / "gw.db", instance="two", clock=FakeClock(1e9))
         await second.open()
         try:
             after = await second.admit(call(1, key="b"))

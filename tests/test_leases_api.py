@@ -21,9 +21,10 @@ from aiohttp.test_utils import TestClient
 
 from gateway.config.policy_files import load_policies
 from gateway.config.settings import Settings
+from gateway.core.receipts import ReconcileWaits
+from gateway.core.times import parse_rfc3339
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
-from gateway.store.base import parse_rfc3339
 from gateway.store.sqlite import SqliteStore
 from gateway.upkeep.cleanup import Cleaner
 from tests.harness import Behavior, RecordingUpstream, make_policy, wait_for, write_policy
@@ -466,11 +467,11 @@ class TestSweeperCleanup:
         await asyncio.sleep(0.6)  # several sweeps: not retried while the outcome is unknown
         assert len(gw.upstream.received(method="DELETE")) == 1
         [owed] = await gw.store.list_cleanups()
-        assert (owed["sweep_fence"], owed["last_error"]) == (2, "outcome_unknown")
+        assert (owed.sweep_fence, owed.last_error) == (2, "outcome_unknown")
         [receipt] = (await gw.send("GET", "/_gateway/v1/reconciliation"))[2]["items"]
         resolved = await gw.store.resolve(receipt["id"], "not_applied", "operator:test", None,
-                                          {}, 0.3)
-        assert resolved["status"] == "reconciled"
+                                          ReconcileWaits({}, 0.3))
+        assert resolved.status == "reconciled"
         await gw.upstream.wait_received(2, method="DELETE", timeout=4)
         await wait_for(lambda: metric_sample(gw, "succeeded") == 1, what="the retry")
         assert [r.fence for r in gw.upstream.received(method="DELETE")] == [2, 3]
@@ -483,7 +484,8 @@ class TestSweeperCleanup:
         await wait_for(lambda: metric_sample(gw, "unknown") == 1, what="the unknown outcome")
         [receipt] = (await gw.send("GET", "/_gateway/v1/reconciliation"))[2]["items"]
         await asyncio.sleep(0.3)
-        await gw.store.resolve(receipt["id"], "applied", "operator:test", None, {}, 0.3)
+        await gw.store.resolve(receipt["id"], "applied", "operator:test", None,
+                               ReconcileWaits({}, 0.3))
         for _ in range(40):
             if not await gw.store.list_cleanups():
                 break
@@ -535,8 +537,8 @@ class TestCleanupBookkeeping:
         await reopened.open()
         try:
             owed = await reopened.list_cleanups()
-            assert [(o["resource"], o["lease_fence"], o["lease_owner"], o["attempts"],
-                     o["sweep_fence"]) for o in owed] == [("browser/a", 1, "worker-a", 0, None)]
+            assert [(o.resource, o.lease_fence, o.lease_owner, o.attempts,
+                     o.sweep_fence) for o in owed] == [("browser/a", 1, "worker-a", 0, None)]
             assert await reopened.due_cleanups(10) == ["browser/a"]
         finally:
             await reopened.close()
@@ -560,8 +562,8 @@ class TestCleanupBookkeeping:
 
     async def test_a_new_owner_supersedes_it(self, store: SqliteStore) -> None:
         await self.expire(store, "browser/a")
-        status, lease, _ = await store.acquire("browser/a", "worker-b", 5, 0, None, None)
-        assert (status, lease["fence"]) == ("acquired", 2)
+        taken = await store.acquire("browser/a", "worker-b", 5, 0, None, None)
+        assert (taken.result, taken.lease.fence) == ("acquired", 2)
         superseded = await self.claim(store, "browser/a")
         assert (superseded.state, superseded.holder) == ("superseded", "worker-b")
         assert await store.list_cleanups() == []
@@ -570,7 +572,7 @@ class TestCleanupBookkeeping:
         await self.expire(store, "browser/a")
         await self.expire(store, "browser/a", "worker-b")
         [owed] = await store.list_cleanups()
-        assert (owed["lease_fence"], owed["lease_owner"]) == (2, "worker-b")
+        assert (owed.lease_fence, owed.lease_owner) == (2, "worker-b")
 
     async def test_a_failed_attempt_is_tried_again_under_a_new_fence(
             self, store: SqliteStore) -> None:
@@ -593,7 +595,7 @@ class TestCleanupBookkeeping:
         await asyncio.sleep(0.35)
         await store.expire_leases(self.owed)
         [owed] = await store.list_cleanups()
-        assert (owed["lease_fence"], owed["sweep_fence"]) == (1, claim.fence)
+        assert (owed.lease_fence, owed.sweep_fence) == (1, claim.fence)
         retried = await self.claim(store, "browser/a", "gateway-sweeper:s2")
         assert (retried.state, retried.fence) == ("claimed", 3)
 

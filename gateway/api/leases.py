@@ -17,12 +17,12 @@ from aiohttp import web
 
 from gateway.api import params
 from gateway.config.policy import ResourceRule
-from gateway.core import errors
+from gateway.core import errors, grammar
+from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
+from gateway.core.times import rfc3339
 from gateway.proxy import appkeys, headers
-from gateway.store.base import parse_rfc3339
-from gateway.upkeep.cleanup import SWEEPER_OWNER_PREFIX
+from gateway.proxy.flow import Flow
 
-STATES = frozenset({"held", "expired", "released"})
 _NUMBER = (int, float)
 
 routes = web.RouteTableDef()
@@ -41,26 +41,27 @@ async def acquire(request: web.Request) -> web.Response:
     ttl_s = _ttl(body, rule)
     app = request.app
     metrics = app[appkeys.METRICS]
-    result, lease, held_seconds = await app[appkeys.STORE].acquire(
+    taken = await app[appkeys.STORE].acquire(
         resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request),
         acquire_key=key)
-    if held_seconds is not None:  # took over an expired lease the sweeper had not marked yet
-        metrics.held.observe(max(0.0, held_seconds))
-    if result == "held":
+    lease = taken.lease
+    if taken.held_seconds is not None:  # took over an expired lease not yet marked expired
+        metrics.held.observe(max(0.0, taken.held_seconds))
+    if taken.result == "held":
         metrics.acquisitions.labels("conflict").inc()
-        free_at = parse_rfc3339(lease["expires_at"]) + rule.lease.lock_delay_s
+        free_at = lease.expires_at + rule.lease.lock_delay_s
         why = (f"its lease expired, and its lock delay of {rule.lease.lock_delay_s}s has not"
-               if lease["state"] != "held" else "it is held until its lease expires or is "
+               if lease.state != "held" else "it is held until its lease expires or is "
                "released")
         raise errors.LeaseHeld(
             f"{resource!r} cannot be taken yet: {why} (also for its own owner name: only a "
             "retry with the same Idempotency-Key gets that lease)",
             retry_after=max(1, math.ceil(free_at - time.time())),
-            holder=lease["owner"], expires_at=lease["expires_at"])
-    if result == "retried":
-        return web.json_response(lease, status=200)
+            holder=lease.owner, expires_at=rfc3339(lease.expires_at))
+    if taken.result == "retried":
+        return web.json_response(lease.to_json(), status=200)
     metrics.acquisitions.labels("acquired").inc()
-    return web.json_response(lease, status=201)
+    return web.json_response(lease.to_json(), status=201)
 
 
 @routes.put("/_gateway/v1/leases/{resource:.+}")
@@ -79,7 +80,7 @@ async def renew(request: web.Request) -> web.Response:
         raise errors.LeaseLost(f"this lease on {resource!r} is no longer held: it expired, "
                                "was released, or belongs to another owner")
     metrics.renewals.labels("renewed").inc()
-    return web.json_response(lease)
+    return web.json_response(lease.to_json())
 
 
 @routes.delete("/_gateway/v1/leases/{resource:.+}")
@@ -94,21 +95,21 @@ async def release(request: web.Request) -> web.Response:
     if force == "true":
         if "owner" in query or "fence" in query:
             raise errors.InvalidRequest("a revoke (force=true) takes no owner or fence")
-        _ok, held = await store.release(resource, None, None)
+        released = await store.release(resource, None, None)
     else:
         if "owner" not in query or "fence" not in query:
             raise errors.InvalidRequest("a release needs ?owner=…&fence=… "
                                         "(or force=true to revoke)")
         owner = _owner(query["owner"])
-        fence = headers.parse_fence_value(query["fence"])
+        fence = grammar.fence_value(query["fence"])
         if fence is None:
             raise errors.InvalidRequest(f"fence {query['fence']!r}: a whole number from 1 to "
-                                        f"{headers.MAX_FENCE}")
-        ok, held = await store.release(resource, owner, fence, _client(request))
-        if not ok:
+                                        f"{grammar.MAX_FENCE}")
+        released = await store.release(resource, owner, fence, _client(request))
+        if not released.ok:
             raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
-    if held is not None:
-        metrics.held.observe(max(0.0, held))
+    if released.held_seconds is not None:
+        metrics.held.observe(max(0.0, released.held_seconds))
     return web.Response(status=204)
 
 
@@ -119,19 +120,20 @@ async def get_lease(request: web.Request) -> web.Response:
     lease = await request.app[appkeys.STORE].get_lease(resource)
     if lease is None:
         raise errors.NotFound(f"no lease was ever taken on {resource!r}")
-    return web.json_response(lease)
+    return web.json_response(lease.to_json())
 
 
 @routes.get("/_gateway/v1/leases")
 async def list_leases(request: web.Request) -> web.Response:
     query = params.only(request, ("prefix", "state", "limit", "cursor"))
     state = query.get("state")
-    if state is not None and state not in STATES:
-        raise errors.InvalidRequest(f"state {state!r}: one of {sorted(STATES)}")
+    if state is not None and state not in LEASE_STATES:
+        raise errors.InvalidRequest(f"state {state!r}: one of {sorted(LEASE_STATES)}")
     size = params.limit(query)
     items = await request.app[appkeys.STORE].list_leases(
         query.get("prefix") or None, state, params.decode_cursor(query), size)
-    return web.json_response(params.page(items, size, "resource"))
+    return web.json_response(params.page([lease.to_json() for lease in items], size,
+                                         "resource"))
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -139,8 +141,9 @@ async def list_leases(request: web.Request) -> web.Response:
 
 def _resource(request: web.Request) -> tuple[str, ResourceRule]:
     resource = request.match_info["resource"]
-    request[appkeys.LOG_FIELDS] = {"resource": resource}  # problems name it (SPEC 5)
-    if not headers.valid_resource(resource):
+    # problems name the resource (docs/contract.md §5); the log line shows it
+    request[appkeys.FLOW] = Flow(request[appkeys.REQUEST_ID], resource=resource)
+    if not grammar.valid_resource(resource):
         raise errors.InvalidResource(
             f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
             "segments separated by single '/', no '.' or '..' segment")
@@ -152,15 +155,15 @@ def _resource(request: web.Request) -> tuple[str, ResourceRule]:
 
 
 def _owner(value: str) -> str:
-    if not headers.valid_owner(value):
+    if not grammar.valid_owner(value):
         raise errors.InvalidRequest(f"owner {value!r}: 1 to 128 of A-Z a-z 0-9 . _ - : @ /")
     return value
 
 
 def _fence(value: int) -> int:
-    if not 1 <= value <= headers.MAX_FENCE:
+    if not 1 <= value <= grammar.MAX_FENCE:
         raise errors.InvalidRequest(f"fence {value!r}: a whole number from 1 to "
-                                    f"{headers.MAX_FENCE}")
+                                    f"{grammar.MAX_FENCE}")
     return value
 
 

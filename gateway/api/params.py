@@ -12,8 +12,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import errors
+from gateway.core.times import parse_rfc3339
 from gateway.proxy import appkeys
-from gateway.store.base import parse_rfc3339
 
 MAX_LIMIT = 1000
 MAX_INTEGER = 2**63 - 1  # what the store can hold; fences never exceed it

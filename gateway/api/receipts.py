@@ -10,12 +10,11 @@ from aiohttp import web
 
 from gateway.api import params
 from gateway.core import errors
+from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS
 from gateway.proxy import appkeys
 from gateway.store.base import ReceiptQuery
 from gateway.upkeep import reconcile
 
-STATUSES = frozenset({"pending", "succeeded", "failed", "not_sent", "outcome_unknown",
-                      "rejected", "reconciled"})
 _RESOLVE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "outcome": str, "source": str, "note": (str, type(None))}
 MAX_SOURCE = 200
@@ -30,8 +29,8 @@ routes = web.RouteTableDef()
 async def list_receipts(request: web.Request) -> web.Response:
     query = params.only(request, _FILTERS)
     status = query.get("status")
-    if status is not None and status not in STATUSES:
-        raise errors.InvalidRequest(f"status {status!r}: one of {sorted(STATUSES)}")
+    if status is not None and status not in RECEIPT_STATUSES:
+        raise errors.InvalidRequest(f"status {status!r}: one of {sorted(RECEIPT_STATUSES)}")
     return await _page(request, ReceiptQuery(
         resource=query.get("resource"), status=status, owner=query.get("owner"),
         idempotency_key=query.get("idempotency_key"),
@@ -56,12 +55,13 @@ async def get_receipt(request: web.Request) -> web.Response:
     receipt = await request.app[appkeys.STORE].get_receipt(request.match_info["id"])
     if receipt is None:
         raise errors.NotFound(f"no receipt {request.match_info['id']!r}")
-    return web.json_response(receipt)
+    return web.json_response(receipt.to_json())
 
 
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
     items = await request.app[appkeys.STORE].list_receipts(query)
-    return web.json_response(params.page(items, query.limit, "id"))
+    return web.json_response(params.page([receipt.to_json() for receipt in items],
+                                         query.limit, "id"))
 
 
 @routes.post("/_gateway/v1/receipts/{id}/resolve")
@@ -70,8 +70,8 @@ async def resolve(request: web.Request) -> web.Response:
     params.only(request, ())
     body = await params.json_body(request, _RESOLVE_FIELDS, ("outcome", "source"))
     outcome, source, note = body["outcome"], body["source"], body.get("note")
-    if outcome not in reconcile.OUTCOMES:
-        raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(reconcile.OUTCOMES)}")
+    if outcome not in RESOLUTIONS:
+        raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(RESOLUTIONS)}")
     if not source.strip() or len(source) > MAX_SOURCE or not source.isprintable():
         raise errors.InvalidRequest(
             f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters, "
@@ -79,7 +79,7 @@ async def resolve(request: web.Request) -> web.Response:
     if note is not None and len(note) > MAX_NOTE:
         raise errors.InvalidRequest(f"note: at most {MAX_NOTE} characters")
     receipt = await reconcile.resolve(request.app, request.match_info["id"], outcome, source, note)
-    return web.json_response(receipt)
+    return web.json_response(receipt.to_json())
 
 
 @routes.post("/_gateway/v1/receipts/{id}/probe")

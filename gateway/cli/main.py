@@ -7,14 +7,18 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from gateway.config.settings import Settings
 
 EXIT_CONFIG = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"fence-gateway: {message}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
 
@@ -60,7 +64,7 @@ def _fail(message: str) -> int:
     return EXIT_CONFIG
 
 
-def _settings():
+def _settings() -> Settings:
     from gateway.config.settings import Settings
 
     try:
@@ -76,9 +80,16 @@ class _Abort(Exception):
 
 
 def _serve() -> int:
+    from gateway.proxy.upstream import require_no_resend_switch
+
+    # First, and before the server's modules are imported: they need a newer aiohttp still.
+    try:
+        require_no_resend_switch()
+    except RuntimeError as exc:
+        return _fail(str(exc))
+    from gateway.config.clients import load_clients
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
-    from gateway.server.auth import load_clients
     from gateway.server.serve import ConfigError, check_open_bind, serve
 
     try:

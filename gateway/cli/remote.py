@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -36,6 +36,7 @@ RECEIPT_STATUSES = ("pending", "succeeded", "failed", "not_sent", "outcome_unkno
 LEASE_STATES = ("held", "expired", "released")
 OUTCOMES = ("applied", "not_applied", "compensated")
 _CELL_MAX = 48  # a table cell longer than this is cut with "…"; `show` prints everything
+_Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -77,17 +78,20 @@ def _text(value: str) -> str:
     return value
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
     """Register `leases` and `receipts` on the CLI's sub-command parser."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", type=_url, default=DEFAULT_URL,
                         help=f"the gateway (default {DEFAULT_URL}); the key is read from "
                              "the GATEWAY_KEY environment variable")
     common.add_argument("--json", action="store_true", help="print the API's JSON")
+    # typeshed wants `parents` of the sub-parsers' own class; argparse takes any ArgumentParser
+    # (it only copies the parent's arguments).
+    parents: list[_Parser] = [common]  # type: ignore[list-item]
 
     leases = commands.add_parser("leases", help="leases of a running gateway")
     lease_actions = leases.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = lease_actions.add_parser("list", parents=[common], help="list leases")
+    listing = lease_actions.add_parser("list", parents=parents, help="list leases")
     listing.add_argument("--prefix", help="only resources starting with this")
     listing.add_argument("--state", choices=LEASE_STATES)
     _add_paging(listing, "leases")
@@ -95,7 +99,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
 
     receipts = commands.add_parser("receipts", help="operation receipts of a running gateway")
     receipt_actions = receipts.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = receipt_actions.add_parser("list", parents=[common],
+    listing = receipt_actions.add_parser("list", parents=parents,
                                          help="list receipts, oldest first")
     listing.add_argument("--resource")
     listing.add_argument("--status", choices=RECEIPT_STATUSES)
@@ -108,12 +112,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     _add_paging(listing, "receipts")
     listing.set_defaults(handler=_receipts_list)
 
-    show = receipt_actions.add_parser("show", parents=[common], help="one whole receipt")
+    show = receipt_actions.add_parser("show", parents=parents, help="one whole receipt")
     show.add_argument("id", type=_text)
     show.set_defaults(handler=_receipts_show)
 
     resolve = receipt_actions.add_parser(
-        "resolve", parents=[common],
+        "resolve", parents=parents,
         help="reconcile an outcome_unknown receipt: say what became of its call")
     resolve.add_argument("id", type=_text)
     resolve.add_argument("--outcome", required=True, choices=OUTCOMES)
@@ -132,8 +136,9 @@ def _add_paging(parser: argparse.ArgumentParser, what: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     api = Api(args.url, os.environ.get("GATEWAY_KEY") or None)
+    handler: Callable[[Api, argparse.Namespace], int] = args.handler  # set by add_commands
     try:
-        return args.handler(api, args)
+        return handler(api, args)
     except Problem as problem:
         _error(f"{problem.code}: {problem.detail}")
     except Unreachable as exc:
@@ -315,7 +320,8 @@ def _receipt_status(r: dict[str, Any]) -> str:
         status += f": {r['reject_code']}"
     elif status == "reconciled" and isinstance(resolution, dict):
         status += f": {resolution.get('outcome')}"
-    extra = [r.get("error")] if r.get("error") else []
+    error = r.get("error")
+    extra: list[str] = [error] if error else []
     if r.get("late"):
         extra.append("late")
     return f"{status} ({', '.join(extra)})" if extra else status

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from gateway.config.policy import PolicyFile, PolicySet, ResourceRule, Upstream
 from gateway.config.yaml_file import ConfigFileError, YamlFile
@@ -37,7 +37,7 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
     not stop the gateway (an external issuer without a signature secret, an upstream that no
     rule fences).
     """
-    env = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     upstreams: list[Upstream] = []
     rules: list[ResourceRule] = []
     seen: dict[tuple[str, str], str] = {}  # (kind, value) -> file:line of first use
@@ -72,7 +72,7 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
     return PolicySet(upstreams, rules, secrets)
 
 
-def _rule_checks(rule: ResourceRule, where: tuple[str, int], env: Any,
+def _rule_checks(rule: ResourceRule, where: tuple[str, int], env: Mapping[str, str],
                  warnings: list[str] | None) -> None:
     place, index = where
     secret_env = rule.lease.hmac_secret_env
@@ -85,7 +85,7 @@ def _rule_checks(rule: ResourceRule, where: tuple[str, int], env: Any,
                           f"environment variable {secret_env} is not set")
 
 
-def _expand(upstream: Upstream, env: Any, where: str, index: int) -> Upstream:
+def _expand(upstream: Upstream, env: Mapping[str, str], where: str, index: int) -> Upstream:
     def resolve(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in env:

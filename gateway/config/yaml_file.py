@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 Model = TypeVar("Model", bound=BaseModel)
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -39,8 +40,10 @@ class _StrictLoader(yaml.SafeLoader):
     merged mappings in place), and overriding a merged key is what a merge is for.
     """
 
-    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
-        node = super().compose_mapping_node(anchor)
+    # types-PyYAML declares `anchor` as a dict of nodes; PyYAML passes the anchor's name (a
+    # str, or None when the mapping has no `&anchor`) and uses it as a key of `self.anchors`.
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:  # type: ignore[override]
+        node = super().compose_mapping_node(anchor)  # type: ignore[arg-type]
         seen: dict[Any, yaml.Mark] = {}
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
@@ -122,7 +125,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return text or "(top level)"
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return "unknown field"

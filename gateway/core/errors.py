@@ -60,58 +60,151 @@ class GatewayError(Exception):
         self.headers = headers or {}  # e.g. X-Receipt-Id of the call this error answers
         self.extra = extra
 
-
-def _error(name: str, status: int, code: str, title: str) -> type[GatewayError]:
-    cls = type(name, (GatewayError,), {"status": status, "code": code, "title": title,
-                                        "__doc__": f"{status} {code}: {title}."})
-    cls.__module__ = __name__
-    return cls
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ is None:
+            cls.__doc__ = f"{cls.status} {cls.code}: {cls.title}."
 
 
-InvalidRequest = _error("InvalidRequest", 400, "invalid_request", "Invalid request")
-InvalidResource = _error("InvalidResource", 400, "invalid_resource", "Invalid resource")
-InvalidFence = _error("InvalidFence", 400, "invalid_fence", "Invalid fencing token")
-InvalidIdempotencyKey = _error("InvalidIdempotencyKey", 400, "invalid_idempotency_key",
-                               "Invalid idempotency key")
-Unauthenticated = _error("Unauthenticated", 401, "unauthenticated", "Unauthenticated")
-Forbidden = _error("Forbidden", 403, "forbidden", "Forbidden")
-ResourceNotAllowed = _error("ResourceNotAllowed", 403, "resource_not_allowed",
-                            "Resource not allowed")
-FenceNotIssued = _error("FenceNotIssued", 403, "fence_not_issued", "Fence was never issued")
-NotLeaseHolder = _error("NotLeaseHolder", 403, "not_lease_holder", "Not the lease holder")
-BadFenceSignature = _error("BadFenceSignature", 403, "bad_fence_signature",
-                           "Bad fence signature")
-NotFound = _error("NotFound", 404, "not_found", "Not found")
-NoRoute = _error("NoRoute", 404, "no_route", "No route")
-MethodNotAllowed = _error("MethodNotAllowed", 405, "method_not_allowed", "Method not allowed")
-RequestTimeout = _error("RequestTimeout", 408, "request_timeout", "Request timeout")
-StaleFence = _error("StaleFence", 409, "stale_fence", "Stale fencing token")
-LeaseExpired = _error("LeaseExpired", 409, "lease_expired", "Lease expired")
-OwnerMismatch = _error("OwnerMismatch", 409, "owner_mismatch", "Owner mismatch")
-LeaseHeld = _error("LeaseHeld", 409, "lease_held", "Lease held")
-LeaseLost = _error("LeaseLost", 409, "lease_lost", "Lease lost")
-IdempotencyInFlight = _error("IdempotencyInFlight", 409, "idempotency_in_flight",
-                             "Idempotency key in flight")
-OutcomeUnknown = _error("OutcomeUnknown", 409, "outcome_unknown", "Outcome unknown")
-AlreadyCompleted = _error("AlreadyCompleted", 409, "already_completed", "Already completed")
-NotReconcilable = _error("NotReconcilable", 409, "not_reconcilable", "Not reconcilable")
-BodyTooLarge = _error("BodyTooLarge", 413, "body_too_large", "Body too large")
-IdempotencyKeyReused = _error("IdempotencyKeyReused", 422, "idempotency_key_reused",
-                              "Idempotency key reused")
-MissingResource = _error("MissingResource", 428, "missing_resource", "Missing resource")
-MissingFence = _error("MissingFence", 428, "missing_fence", "Missing fencing token")
-MissingIdempotencyKey = _error("MissingIdempotencyKey", 428, "missing_idempotency_key",
-                               "Missing idempotency key")
-HeadersTooLarge = _error("HeadersTooLarge", 431, "headers_too_large", "Headers too large")
-UpgradeNotSupported = _error("UpgradeNotSupported", 501, "upgrade_not_supported",
-                             "Upgrade not supported")
-UpstreamUnreachable = _error("UpstreamUnreachable", 502, "upstream_unreachable",
-                             "Upstream unreachable")
-UpstreamOutcomeUnknown = _error("UpstreamOutcomeUnknown", 502, "upstream_outcome_unknown",
-                                "Upstream outcome unknown")
-ResourceBusy = _error("ResourceBusy", 503, "resource_busy", "Resource busy")
-StoreUnavailable = _error("StoreUnavailable", 503, "store_unavailable", "Store unavailable")
-UpstreamTimeout = _error("UpstreamTimeout", 504, "upstream_timeout", "Upstream timeout")
+class InvalidRequest(GatewayError):
+    status, code, title = 400, "invalid_request", "Invalid request"
+
+
+class InvalidResource(GatewayError):
+    status, code, title = 400, "invalid_resource", "Invalid resource"
+
+
+class InvalidFence(GatewayError):
+    status, code, title = 400, "invalid_fence", "Invalid fencing token"
+
+
+class InvalidIdempotencyKey(GatewayError):
+    status, code, title = 400, "invalid_idempotency_key", "Invalid idempotency key"
+
+
+class Unauthenticated(GatewayError):
+    status, code, title = 401, "unauthenticated", "Unauthenticated"
+
+
+class Forbidden(GatewayError):
+    status, code, title = 403, "forbidden", "Forbidden"
+
+
+class ResourceNotAllowed(GatewayError):
+    status, code, title = 403, "resource_not_allowed", "Resource not allowed"
+
+
+class FenceNotIssued(GatewayError):
+    status, code, title = 403, "fence_not_issued", "Fence was never issued"
+
+
+class NotLeaseHolder(GatewayError):
+    status, code, title = 403, "not_lease_holder", "Not the lease holder"
+
+
+class BadFenceSignature(GatewayError):
+    status, code, title = 403, "bad_fence_signature", "Bad fence signature"
+
+
+class NotFound(GatewayError):
+    status, code, title = 404, "not_found", "Not found"
+
+
+class NoRoute(GatewayError):
+    status, code, title = 404, "no_route", "No route"
+
+
+class MethodNotAllowed(GatewayError):
+    status, code, title = 405, "method_not_allowed", "Method not allowed"
+
+
+class RequestTimeout(GatewayError):
+    status, code, title = 408, "request_timeout", "Request timeout"
+
+
+class StaleFence(GatewayError):
+    status, code, title = 409, "stale_fence", "Stale fencing token"
+
+
+class LeaseExpired(GatewayError):
+    status, code, title = 409, "lease_expired", "Lease expired"
+
+
+class OwnerMismatch(GatewayError):
+    status, code, title = 409, "owner_mismatch", "Owner mismatch"
+
+
+class LeaseHeld(GatewayError):
+    status, code, title = 409, "lease_held", "Lease held"
+
+
+class LeaseLost(GatewayError):
+    status, code, title = 409, "lease_lost", "Lease lost"
+
+
+class IdempotencyInFlight(GatewayError):
+    status, code, title = 409, "idempotency_in_flight", "Idempotency key in flight"
+
+
+class OutcomeUnknown(GatewayError):
+    status, code, title = 409, "outcome_unknown", "Outcome unknown"
+
+
+class AlreadyCompleted(GatewayError):
+    status, code, title = 409, "already_completed", "Already completed"
+
+
+class NotReconcilable(GatewayError):
+    status, code, title = 409, "not_reconcilable", "Not reconcilable"
+
+
+class BodyTooLarge(GatewayError):
+    status, code, title = 413, "body_too_large", "Body too large"
+
+
+class IdempotencyKeyReused(GatewayError):
+    status, code, title = 422, "idempotency_key_reused", "Idempotency key reused"
+
+
+class MissingResource(GatewayError):
+    status, code, title = 428, "missing_resource", "Missing resource"
+
+
+class MissingFence(GatewayError):
+    status, code, title = 428, "missing_fence", "Missing fencing token"
+
+
+class MissingIdempotencyKey(GatewayError):
+    status, code, title = 428, "missing_idempotency_key", "Missing idempotency key"
+
+
+class HeadersTooLarge(GatewayError):
+    status, code, title = 431, "headers_too_large", "Headers too large"
+
+
+class UpgradeNotSupported(GatewayError):
+    status, code, title = 501, "upgrade_not_supported", "Upgrade not supported"
+
+
+class UpstreamUnreachable(GatewayError):
+    status, code, title = 502, "upstream_unreachable", "Upstream unreachable"
+
+
+class UpstreamOutcomeUnknown(GatewayError):
+    status, code, title = 502, "upstream_outcome_unknown", "Upstream outcome unknown"
+
+
+class ResourceBusy(GatewayError):
+    status, code, title = 503, "resource_busy", "Resource busy"
+
+
+class StoreUnavailable(GatewayError):
+    status, code, title = 503, "store_unavailable", "Store unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status, code, title = 504, "upstream_timeout", "Upstream timeout"
+
 
 BY_CODE: dict[str, type[GatewayError]] = {
     cls.code: cls for cls in GatewayError.__subclasses__()

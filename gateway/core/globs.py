@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from gateway.proxy.headers import valid_resource
+from gateway.core.grammar import valid_resource
 
 
 @lru_cache(maxsize=1024)

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from gateway.store.base import rfc3339
+from gateway.core.times import rfc3339
 
 log = logging.getLogger("fence_gateway")
 
@@ -46,5 +46,6 @@ def configure(fmt: str, level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def event(name: str, level: int = logging.INFO, **fields: object) -> None:
+def event(name: str, level: int = logging.INFO, /, **fields: object) -> None:
+    """One log line; `name` and `level` are positional only, so every keyword is a field."""
     log.log(level, name, extra={"fields": fields})

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from gateway.config.clients import Client, Clients
     from gateway.config.policy import PolicySet
     from gateway.config.settings import Settings
     from gateway.observe.metrics import Metrics
     from gateway.proxy.failpoints import Failpoints
+    from gateway.proxy.flow import Flow
     from gateway.proxy.ordering import Lanes
     from gateway.proxy.upstream import Upstreams
-    from gateway.server.auth import Client, Clients
     from gateway.store import Store
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
@@ -27,8 +28,8 @@ CLIENTS: web.AppKey[Clients | None] = web.AppKey("clients")  # None: the gateway
 # Receipt ids this process has admitted and not yet recorded: never "lost" to the sweeper.
 IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")
 
-# Per-request state, set by the proxy handler and read by the middleware's log line.
+# Per-request state: the request id (set first, by the middleware), the authenticated client,
+# and the flow the call path fills in (read back by the middleware's problem and log line).
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
-LOG_FIELDS: web.RequestKey[dict[str, object]] = web.RequestKey("log_fields", dict)
 CLIENT: web.RequestKey[Client] = web.RequestKey("client")
-REPLAYED: web.RequestKey[bool] = web.RequestKey("replayed", bool)  # answered from the store
+FLOW: web.RequestKey[Flow] = web.RequestKey("flow")

@@ -1,18 +1,26 @@
-"""Parsing of the headers the gateway reads, and the header sets it strips.
+"""The headers the gateway reads, sets and strips.
 
-Each parser takes the request's multidict and returns a plain value or raises the SPEC
-section 3 error of that header. A header sent twice is that header's 400.
+Each parser takes the request's multidict and returns a plain value or raises that header's
+error (docs/contract.md §3); the grammar itself is `gateway.core.grammar`'s. A header sent
+twice is that header's 400.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.core import errors
+from gateway.core.grammar import (
+    MAX_FENCE,
+    fence_value,
+    valid_client_key,
+    valid_owner,
+    valid_request_id,
+    valid_resource,
+)
 
 RESOURCE_HEADER = "X-Lease-Resource"
 FENCE_HEADER = "X-Fence-Token"
@@ -21,8 +29,6 @@ OWNER_HEADER = "X-Lease-Owner"
 RECEIPT_HEADER = "X-Receipt-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
-
-MAX_FENCE = 2**63 - 1
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) plus proxy credentials meant for the gateway.
 HOP_BY_HOP = frozenset(h.lower() for h in (
@@ -36,11 +42,6 @@ GATEWAY_OWNED = frozenset(h.lower() for h in (
     "Forwarded", "X-Forwarded-Host", "Host", "Content-Length",
 ))
 
-_RESOURCE_CHARS = re.compile(r"[A-Za-z0-9._\-:@/]{1,256}")
-_OWNER = re.compile(r"[A-Za-z0-9._\-:@/]{1,128}")
-_FENCE = re.compile(r"[1-9][0-9]*")  # ASCII only: re with str patterns needs re.ASCII for \d
-_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
 
 def single(headers: Mapping[str, str] | CIMultiDictProxy[str], name: str,
@@ -50,12 +51,6 @@ def single(headers: Mapping[str, str] | CIMultiDictProxy[str], name: str,
     if len(values) > 1:
         raise error(f"{name} was sent {len(values)} times")
     return values[0] if values else None
-
-
-def valid_resource(value: str) -> bool:
-    if not _RESOURCE_CHARS.fullmatch(value):
-        return False
-    return all(segment not in ("", ".", "..") for segment in value.split("/"))
 
 
 def parse_resource(headers: CIMultiDictProxy[str]) -> str:
@@ -69,28 +64,15 @@ def parse_resource(headers: CIMultiDictProxy[str]) -> str:
     return value
 
 
-def parse_fence_value(value: str) -> int | None:
-    """The token as an int, or None when it is not `[1-9][0-9]*` within 1..2^63-1."""
-    if not _FENCE.fullmatch(value) or len(value) > 19:
-        return None
-    fence = int(value)
-    return fence if fence <= MAX_FENCE else None
-
-
 def parse_fence(headers: CIMultiDictProxy[str]) -> int:
     value = single(headers, FENCE_HEADER, errors.InvalidFence)
     if value is None:
         raise errors.MissingFence(f"{FENCE_HEADER} is required on a fenced call")
-    fence = parse_fence_value(value)
+    fence = fence_value(value)
     if fence is None:
         raise errors.InvalidFence(
             f"{value!r} is not a fencing token: a decimal integer from 1 to {MAX_FENCE}")
     return fence
-
-
-def valid_owner(value: str) -> bool:
-    """An owner name (X-Lease-Owner, a lease's owner): 1 to 128 resource characters."""
-    return _OWNER.fullmatch(value) is not None
 
 
 def parse_owner(headers: CIMultiDictProxy[str]) -> str | None:
@@ -104,7 +86,7 @@ def parse_idempotency_key(headers: CIMultiDictProxy[str]) -> str | None:
     value = single(headers, IDEMPOTENCY_HEADER, errors.InvalidIdempotencyKey)
     if value is None:
         return None
-    if not _IDEMPOTENCY_KEY.fullmatch(value) or value.startswith("gw-"):
+    if not valid_client_key(value):
         raise errors.InvalidIdempotencyKey(
             f"{IDEMPOTENCY_HEADER}: 1 to 255 visible ASCII characters, not starting with 'gw-'")
     return value
@@ -122,7 +104,7 @@ def new_request_id() -> str:
 def request_id(headers: CIMultiDictProxy[str]) -> str | None:
     """The client's request id when it is usable, else None (the gateway makes one)."""
     values = headers.getall(REQUEST_ID_HEADER, [])
-    if len(values) == 1 and _REQUEST_ID.fullmatch(values[0]):
+    if len(values) == 1 and valid_request_id(values[0]):
         return values[0]
     return None
 

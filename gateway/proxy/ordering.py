@@ -21,11 +21,11 @@ from contextlib import asynccontextmanager
 from gateway.store.base import Store, StoreUnavailable
 
 
-class _Lane:
+class Lane:
     __slots__ = ("registered", "turn", "users", "waiters")
 
     def __init__(self) -> None:
-        self.registered: set[Lane] = set()  # the calls whose fence is registered
+        self.registered: set[Place] = set()  # the calls whose fence is registered
         self.turn = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.waiters: list[asyncio.Future[None]] = []
         self.users = 0
@@ -33,18 +33,18 @@ class _Lane:
 
 class Lanes:
     def __init__(self) -> None:
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, Lane] = {}
 
     def __len__(self) -> int:
         return len(self._lanes)
 
     @asynccontextmanager
-    async def lane(self, resource: str) -> AsyncIterator[Lane]:
+    async def join(self, resource: str) -> AsyncIterator[Place]:
         lane = self._lanes.get(resource)
         if lane is None:
-            lane = self._lanes[resource] = _Lane()
+            lane = self._lanes[resource] = Lane()
         lane.users += 1
-        handle = Lane(lane)
+        handle = Place(lane)
         try:
             yield handle
         finally:
@@ -54,12 +54,12 @@ class Lanes:
                 del self._lanes[resource]
 
 
-class Lane:
-    """One call's view of its resource's lane."""
+class Place:
+    """One call's place in its resource's lane: its turn, its registered fence."""
 
     __slots__ = ("_lane", "_turn_taken", "fence")
 
-    def __init__(self, lane: _Lane) -> None:
+    def __init__(self, lane: Lane) -> None:
         self._lane = lane
         self.fence: int | None = None
         self._turn_taken = False
@@ -92,7 +92,7 @@ class Lane:
             self._turn_taken = False
             lane.turn.release()
 
-    def older(self) -> set[Lane]:
+    def older(self) -> set[Place]:
         """The calls with a lower fence registered now. Called once this call is admitted:
         a lower fence registered later can only be refused as stale, so it is not waited for
         (else a fenced-out owner sending in a loop could keep the new owner out)."""
@@ -102,7 +102,7 @@ class Lane:
         return {other for other in self._lane.registered
                 if other.fence is not None and other.fence < fence}
 
-    async def wait_for(self, older: set[Lane], timeout_s: float) -> bool:
+    async def wait_for(self, older: set[Place], timeout_s: float) -> bool:
         """Wait until every call of `older` has left; False when `timeout_s` passed."""
         loop = asyncio.get_running_loop()
         try:
@@ -116,7 +116,7 @@ class Lane:
         return True
 
 
-async def clear_to_forward(lane: Lane, timeout_s: float, store: Store,
+async def clear_to_forward(lane: Place, timeout_s: float, store: Store,
                            receipt_id: str) -> str | None:
     """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
     served by a serial and a parallel rule at once). None when it may go; else why it may

@@ -49,7 +49,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     return b"".join(chunks)
 
 
-def fenced_headers(rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str,
+def admitted_headers(rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str,
                    request_id: str) -> dict[str, str]:
     """What the gateway itself tells the tool about an admitted call."""
     sent = {rule.idempotency.upstream_header: key, RECEIPT_HEADER: receipt_id,

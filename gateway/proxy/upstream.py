@@ -50,12 +50,13 @@ class Upstreams:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
 
     async def open(self) -> None:
+        require_no_resend_switch()
         trace = aiohttp.TraceConfig()
         trace.on_connection_create_end.append(_on_connection)
         trace.on_connection_reuseconn.append(_on_connection)
         for name, upstream in self._config.items():
             connector = aiohttp.TCPConnector(limit=upstream.max_connections,
-                                             ssl=_ssl_context(upstream))
+                                             ssl=_ssl_context(upstream) or True)
             session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, trace_configs=[trace],
                 skip_auto_headers=_SKIP_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(),
@@ -106,9 +107,30 @@ def _describe(exc: BaseException) -> str:
 
 
 def _ssl_context(upstream: Upstream) -> ssl.SSLContext | None:
+    """The upstream's TLS settings; None for plain http."""
     if not upstream.url.startswith("https:"):
         return None
     context = ssl.create_default_context(cafile=upstream.tls.ca_file)
     if upstream.tls.cert_file:
         context.load_cert_chain(upstream.tls.cert_file, upstream.tls.key_file)
     return context
+
+
+def require_no_resend_switch() -> None:
+    """Refuse to run on an aiohttp whose client cannot be told not to resend a call.
+
+    aiohttp resends PUT, DELETE and other "idempotent" methods once when a reused keep-alive
+    connection turns out dead. Since 3.11 `ClientSession._retry_connection` switches that off
+    (`Upstreams.open` sets it); before, the attribute did not exist, setting it did nothing,
+    and a fenced call could reach its tool twice. `ClientSession.ATTRS` lists the attributes
+    a session carries: the switch is among them in every release that reads it (3.11 on) and
+    in none before.
+    """
+    floor = "3.14.3"  # pyproject.toml's aiohttp floor
+    session = aiohttp.ClientSession
+    known = {*getattr(session, "ATTRS", ()), *getattr(session, "__slots__", ())}
+    if "_retry_connection" not in known:
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__} is installed, but fence-gateway needs aiohttp>="
+            f"{floor}: this one cannot be told not to resend a PUT or DELETE on a dead "
+            "keep-alive connection, so a fenced call could reach its tool twice")

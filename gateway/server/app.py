@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.api import leases, openapi, ops, receipts
+from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
 from gateway.observe.metrics import Metrics
@@ -15,7 +16,7 @@ from gateway.proxy import appkeys, handler
 from gateway.proxy.failpoints import Failpoints
 from gateway.proxy.ordering import Lanes
 from gateway.proxy.upstream import Upstreams
-from gateway.server.auth import Clients, authenticate
+from gateway.server.auth import authenticate
 from gateway.server.middleware import problems
 from gateway.store import create_store
 from gateway.upkeep.sweeper import count_lost, sweeper_ctx

@@ -12,7 +12,7 @@ leans on aiohttp internals beyond public settings, and tests pin its behaviour.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
@@ -73,8 +73,11 @@ class _GatewayRequestHandler(RequestHandler):
 class GatewayRunner(web.AppRunner):
     def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
-        self._handler_class = type("GatewayRequestHandler", (_GatewayRequestHandler,),
-                                   {"header_timeout_s": header_timeout_s})
+        # cast: type() returns a plain `type`, but one made with _GatewayRequestHandler as its
+        # only base is a subclass of it.
+        self._handler_class = cast(type[_GatewayRequestHandler],
+                                   type("GatewayRequestHandler", (_GatewayRequestHandler,),
+                                        {"header_timeout_s": header_timeout_s}))
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from gateway.core import errors
 from gateway.observe import logs
@@ -45,8 +46,10 @@ def problem_response(error: errors.GatewayError, request_id: str | None,
 
 
 @web.middleware
-async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
+async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
+    request_id = headers.request_id(request.headers) or headers.new_request_id()
+    request[appkeys.REQUEST_ID] = request_id
     error: errors.GatewayError | None = None
     try:
         response = await handler(request)
@@ -61,15 +64,15 @@ async def problems(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception:  # a bug: answer cleanly, keep the trace in the log only
         logs.log.exception("unhandled error on %s %s", request.method, request.path)
         error = errors.GatewayError("the gateway failed unexpectedly; see its log")
-    request_id = request.get(appkeys.REQUEST_ID) or headers.request_id(request.headers) \
-        or headers.new_request_id()
-    fields = request.get(appkeys.LOG_FIELDS)
+    flow = request.get(appkeys.FLOW)
+    fields = flow.log_fields() if flow is not None else None
+    replayed = flow is not None and flow.replayed
     if error is not None:
         response = problem_response(error, request_id, fields)
     if not request.path.startswith("/_gateway/"):
-        _count(request, response, error, fields or {})
+        _count(request, error, fields or {}, replayed)
     if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):
-        _log(request, response, error, request_id, fields or {}, started)
+        _log(request, response, error, request_id, fields or {}, replayed, started)
     return response
 
 
@@ -78,14 +81,14 @@ _ERROR_CODES = frozenset({"upstream_unreachable", "upstream_outcome_unknown", "u
                           "store_unavailable", "internal_error"})
 
 
-def _count(request: web.Request, response: web.StreamResponse,
-           error: errors.GatewayError | None, fields: dict[str, Any]) -> None:
+def _count(request: web.Request, error: errors.GatewayError | None, fields: dict[str, Any],
+           replayed: bool) -> None:
     """fence_gateway_requests_total and _rejections_total for every proxied call: counted
     here only, so that no refusal, wherever it happens, goes uncounted."""
     metrics = request.app[appkeys.METRICS]
     upstream = str(fields.get("upstream") or "-")  # "-": refused before it was routed
     if error is None:
-        result = "replayed" if request.get(appkeys.REPLAYED) else "forwarded"
+        result = "replayed" if replayed else "forwarded"
     elif error.code in _ERROR_CODES:
         result = "error"
     else:
@@ -95,10 +98,9 @@ def _count(request: web.Request, response: web.StreamResponse,
 
 
 def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
-         request_id: str, fields: dict[str, Any], started: float) -> None:
+         request_id: str, fields: dict[str, Any], replayed: bool, started: float) -> None:
     logs.event(
-        "rejected" if error is not None else "replayed" if request.get(appkeys.REPLAYED)
-        else "call",
+        "rejected" if error is not None else "replayed" if replayed else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),

@@ -9,11 +9,11 @@ import signal
 
 from aiohttp import web
 
+from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
 from gateway.observe import logs
 from gateway.server.app import create_app
-from gateway.server.auth import Clients
 from gateway.server.http_server import GatewayRunner
 
 

@@ -1,4 +1,8 @@
-"""Receipt and lease records as the APIs show them, built from any backend's row mapping."""
+"""Typed values from any backend's row mapping: receipts, leases, key states, owed cleanups.
+
+Rows come back from SQL as mappings of column names; these are the one place that turns
+them into the values of `gateway.core` and `gateway.store.base`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.store.base import rfc3339
+from gateway.core.cleanups import OwedCleanup
+from gateway.core.idempotency import KeyState
+from gateway.core.leases import Lease
+from gateway.store.base import Receipt
 
 RECEIPT_COLUMNS = (
     "id", "resource", "fence", "owner", "client", "upstream", "method", "path",
@@ -14,26 +21,37 @@ RECEIPT_COLUMNS = (
     "reject_code", "late", "created_at", "forwarded_at", "completed_at", "instance",
     "resolution",
 )
-LEASE_COLUMNS = ("resource", "owner", "fence", "state", "acquired_at", "renewed_at", "expires_at")
-_TIMES = frozenset({"created_at", "forwarded_at", "completed_at", "acquired_at", "renewed_at",
-                    "expires_at"})
 
 
-def receipt_record(row: Mapping[str, Any]) -> dict[str, Any]:
-    record = {name: row[name] for name in RECEIPT_COLUMNS}
-    for name in _TIMES & record.keys():
-        record[name] = rfc3339(record[name])
-    record["late"] = bool(record["late"])
-    if record["resolution"] is not None:
-        record["resolution"] = json.loads(record["resolution"])
-    return record
+def receipt_of(row: Mapping[str, Any]) -> Receipt:
+    values = {name: row[name] for name in RECEIPT_COLUMNS}
+    values["late"] = bool(values["late"])
+    if values["resolution"] is not None and isinstance(values["resolution"], str):
+        values["resolution"] = json.loads(values["resolution"])
+    return Receipt(**values)
 
 
-def lease_record(row: Mapping[str, Any], now: float) -> dict[str, Any]:
-    """A lease as shown: a `held` lease past its expiry is shown `expired` (store's clock)."""
-    record = {name: row[name] for name in LEASE_COLUMNS}
-    if record["state"] == "held" and now >= record["expires_at"]:
-        record["state"] = "expired"
-    for name in _TIMES & record.keys():
-        record[name] = rfc3339(record[name])
-    return record
+def lease_of(row: Mapping[str, Any]) -> Lease:
+    return Lease(resource=row["resource"], owner=row["owner"], fence=row["fence"],
+                 state=row["state"], client=row["client"], acquire_key=row["acquire_key"],
+                 acquired_at=row["acquired_at"], renewed_at=row["renewed_at"],
+                 expires_at=row["expires_at"])
+
+
+def key_state(row: Mapping[str, Any]) -> KeyState:
+    """The key's latest receipt; its answer is replayable only when stored whole and its body
+    did not break afterwards (`error` set)."""
+    resolution = row["resolution"]
+    if isinstance(resolution, str):
+        resolution = json.loads(resolution)
+    return KeyState(receipt_id=row["id"], fingerprint=row["fingerprint"], status=row["status"],
+                    http_status=row["http_status"], attempt=row["attempt"],
+                    resolution=resolution["outcome"] if resolution else None,
+                    replayable=bool(row["replayable"]) and row["error"] is None)
+
+
+def owed_cleanup_of(row: Mapping[str, Any]) -> OwedCleanup:
+    return OwedCleanup(resource=row["resource"], lease_fence=row["lease_fence"],
+                       lease_owner=row["lease_owner"], due_at=row["due_at"],
+                       attempts=row["attempts"], sweep_fence=row["sweep_fence"],
+                       last_error=row["last_error"])

@@ -16,32 +16,42 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.core import admission
+from gateway.core import cleanups, fences, idempotency, leases, outcomes
 from gateway.core.errors import BY_CODE, StoreUnavailable
+from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost, may_resolve
+from gateway.core.times import Clock, rfc3339
 from gateway.store.base import (
+    AcquireResult,
     Admitted,
     Call,
     CleanupClaim,
     CleanupDelay,
+    Completion,
+    Lease,
     Outcome,
+    OwedCleanup,
+    Receipt,
     ReceiptQuery,
     Refused,
     Rejection,
+    Release,
     Replayed,
-    rfc3339,
-    sweep_key,
+    ResolveRefused,
+    shown,
 )
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
-from gateway.store.rows import RECEIPT_COLUMNS, lease_record, receipt_record
+from gateway.store.rows import RECEIPT_COLUMNS, key_state, lease_of, owed_cleanup_of, receipt_of
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
 # What a receipt list reads: never the stored answers, which can be 64 KiB each.
 _RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
+_SETTLED = ", ".join(f"'{status}'" for status in sorted(SETTLED))
 
 
 class StoreLocked(Exception):
@@ -54,8 +64,10 @@ def sqlite_path(url: str) -> Path:
 
 class SqliteStore:
     def __init__(self, path: Path, *, instance: str, durability: str = "strict",
-                 before_commit: Callable[[], None] = lambda: None) -> None:
+                 before_commit: Callable[[], None] = lambda: None,
+                 clock: Clock = time.time) -> None:
         self.path = path
+        self._now = clock
         self.instance = instance
         self._relaxed = durability == "relaxed"
         self._before_commit = before_commit
@@ -126,7 +138,7 @@ class SqliteStore:
 
     def _register_and_recover(self, conn: sqlite3.Connection) -> None:
         """At start every `pending` receipt is an earlier run's: this process holds the lock."""
-        now = time.time()
+        now = self._now()
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) "
                      "VALUES (?, ?, ?)", (self.instance, now, now))
@@ -154,29 +166,25 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the store could not be read: {exc}") from exc
 
-    # -- admission ----------------------------------------------------------------------------
+    # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
-        return await self._write(lambda conn: self._admit(conn, call))
+        return await self._write(lambda conn: self._admit(conn, call))  # type: ignore[no-any-return]
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
-        now = time.time()
-        fences = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
-                              (call.resource,)).fetchone()
-        issued, accepted = (fences["issued"], fences["accepted"]) if fences else (0, 0)
+        now = self._now()
+        issued, accepted = self._fences(conn, call.resource)
         owner = call.owner
         if call.issuer == "gateway":
-            row = conn.execute("SELECT owner, fence, client, state, expires_at FROM leases "
-                               "WHERE resource = ?", (call.resource,)).fetchone()
-            lease = None if row is None else admission.LeaseState(
-                owner=row["owner"], fence=row["fence"], client=row["client"],
-                held=row["state"] == "held" and now < row["expires_at"])
-            code = admission.check_gateway_fence(call.fence, issued, lease, call.owner,
-                                                 call.client, call.clients_configured)
-            if lease is not None and lease.fence == call.fence:
-                owner = lease.owner
+            current = self._lease(conn, call.resource)
+            lease = None if current is None else fences.LeaseView(
+                owner=current.owner, fence=current.fence, client=current.client,
+                live=current.live(now))
+            code: str | None = fences.check_gateway(call.fence, issued, lease, call.owner,
+                                                    call.client, call.clients_configured)
+            owner = fences.recorded_owner(call.owner, call.fence, lease)
         else:
-            code = admission.check_external_fence(call.fence, accepted)
+            code = fences.check_external(call.fence, accepted)
         if code is not None:
             return Refused(code, self._insert_rejected(conn, call, owner, code, now, False))
 
@@ -186,20 +194,18 @@ class SqliteStore:
             (call.resource, call.fence))
 
         latest = self._key_state(conn, call.resource, call.idempotency_key)
-        decision = admission.decide_idempotency(latest, call.fingerprint, call.retry_statuses)
-        if latest is None:
-            # A key pruned after its retention may still have receipts: SPEC 4 counts them.
-            earlier = conn.execute(
-                "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
-                "AND status != 'rejected'", (call.idempotency_key, call.resource)).fetchone()[0]
-            decision = admission.NewAttempt(1 + earlier)
-        if isinstance(decision, admission.Replay):
+        pruned = 0 if latest is not None else conn.execute(
+            "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
+            "AND status != 'rejected'", (call.idempotency_key, call.resource)).fetchone()[0]
+        decision = idempotency.decide(latest, call.fingerprint, call.retry_statuses, pruned)
+        if isinstance(decision, idempotency.Replay):
             stored = conn.execute("SELECT http_status, response_headers, response_body "
                                   "FROM receipts WHERE id = ?", (decision.receipt_id,)).fetchone()
             return Replayed(decision.receipt_id, stored["http_status"],
-                            [tuple(h) for h in json.loads(stored["response_headers"])],
+                            [(name, value) for name, value
+                             in json.loads(stored["response_headers"])],
                             bytes(stored["response_body"]))
-        if isinstance(decision, admission.Refuse):
+        if isinstance(decision, idempotency.Refuse):
             receipt_id = self._insert_rejected(conn, call, owner, decision.code, now, True)
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
@@ -219,19 +225,26 @@ class SqliteStore:
             (call.resource, call.idempotency_key, receipt_id, call.retention_s))
         return Admitted(receipt_id, decision.attempt, owner)
 
-    def _key_state(self, conn: sqlite3.Connection, resource: str,
-                   key: str) -> admission.KeyState | None:
+    @staticmethod
+    def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
+        """(highest issued, highest accepted) of a resource; (0, 0) for a new one."""
+        row = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
+                           (resource,)).fetchone()
+        return (row["issued"], row["accepted"]) if row else (0, 0)
+
+    @staticmethod
+    def _lease(conn: sqlite3.Connection, resource: str) -> Lease | None:
+        row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
+        return lease_of(row) if row else None
+
+    @staticmethod
+    def _key_state(conn: sqlite3.Connection, resource: str,
+                   key: str) -> idempotency.KeyState | None:
         row = conn.execute(
             "SELECT r.id, r.fingerprint, r.status, r.http_status, r.replayable, r.resolution, "
             "r.attempt, r.error FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
             "WHERE k.resource = ? AND k.key = ?", (resource, key)).fetchone()
-        if row is None:
-            return None
-        resolution = json.loads(row["resolution"])["outcome"] if row["resolution"] else None
-        return admission.KeyState(
-            receipt_id=row["id"], fingerprint=row["fingerprint"], status=row["status"],
-            http_status=row["http_status"], resolution=resolution, attempt=row["attempt"],
-            replayable=bool(row["replayable"]) and row["error"] is None)
+        return key_state(row) if row else None
 
     def _insert_rejected(self, conn: sqlite3.Connection, call: Call, owner: str | None,
                          code: str, now: float, with_key: bool) -> str:
@@ -255,43 +268,38 @@ class SqliteStore:
         return receipt_id
 
     async def reject(self, rejection: Rejection) -> str:
-        return await self._write(
-            lambda conn: self._insert_rejection(conn, rejection, time.time()))
+        return await self._write(  # type: ignore[no-any-return]
+            lambda conn: self._insert_rejection(conn, rejection, self._now()))
 
-    # -- outcomes -----------------------------------------------------------------------------
+    # -- outcomes (§3, "Outcome") -------------------------------------------------------------
 
-    async def complete(self, receipt_id: str, outcome: Outcome) -> str:
-        """Record an outcome; returns 'recorded', 'late' or 'late_outcome' (SPEC 3)."""
-        return await self._write(lambda conn: self._complete(conn, receipt_id, outcome))
+    async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
+        return await self._write(  # type: ignore[no-any-return]
+            lambda conn: self._complete(conn, receipt_id, outcome))
 
-    def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> str:
-        now = time.time()
+    def _complete(self, conn: sqlite3.Connection, receipt_id: str,
+                  outcome: Outcome) -> Completion:
+        now = self._now()
         row = conn.execute("SELECT status, resource, idempotency_key FROM receipts "
                            "WHERE id = ?", (receipt_id,)).fetchone()
-        if row is None:
-            return "missing"
-        status = row["status"]
-        late = status in ("outcome_unknown", "reconciled")
-        if late and outcome.status not in ("succeeded", "failed"):
-            return "late"  # a second "unknown" (or not_sent) teaches nothing: keep the receipt
-        if status == "reconciled":
+        completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
+        if completion is Completion.LATE_OUTCOME:
             # The resolution stands; the tool's own answer is kept beside it for the alert.
             conn.execute("UPDATE receipts SET error = 'late_outcome', late = 1, "
                          "http_status = ? WHERE id = ?", (outcome.http_status, receipt_id))
-            return "late_outcome"
-        if status not in ("pending", "outcome_unknown"):
-            return "recorded"  # already final: an outcome is recorded once
-        headers, body = outcome.response if outcome.response is not None else (None, None)
-        conn.execute(
-            "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
-            "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
-            "response_body = ? WHERE id = ?",
-            (outcome.status, outcome.http_status, outcome.error, int(late),
-             outcome.forwarded_at, now, int(outcome.response is not None),
-             json.dumps(headers) if headers is not None else None, body, receipt_id))
-        if outcome.status != "outcome_unknown":
+        elif completion in (Completion.RECORDED, Completion.LATE):
+            headers, body = outcome.response if outcome.response is not None else (None, None)
+            conn.execute(
+                "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
+                "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
+                "response_body = ? WHERE id = ?",
+                (outcome.status, outcome.http_status, outcome.error,
+                 int(completion is Completion.LATE), outcome.forwarded_at, now,
+                 int(outcome.replayable), json.dumps(headers) if headers is not None else None,
+                 body, receipt_id))
+        if outcomes.settles_key(completion, outcome.status):
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
-        return "late" if late else "recorded"
+        return completion
 
     @staticmethod
     def _settle_key(conn: sqlite3.Connection, resource: str, key: str | None,
@@ -306,103 +314,86 @@ class SqliteStore:
         time a reconciler must wait counts from here, so this is durable before it leaves."""
         await self._write(lambda conn: conn.execute(
             "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
-            (time.time(), receipt_id)))
+            (self._now(), receipt_id)))
 
     async def mark_incomplete(self, receipt_id: str) -> None:
         await self._write(lambda conn: conn.execute(
             "UPDATE receipts SET error = 'response_incomplete', replayable = 0, "
             "response_headers = NULL, response_body = NULL WHERE id = ?", (receipt_id,)))
 
-    async def resolve(self, receipt_id: str, outcome: str, source: str, note: str | None,
-                      wait_s: dict[str, float], default_wait_s: float) -> dict[str, Any] | str:
-        """Reconcile an `outcome_unknown` receipt past its grace; the receipt, or why not."""
-
-        def op(conn: sqlite3.Connection) -> dict[str, Any] | str:
-            now = time.time()
+    async def resolve(self, receipt_id: str, outcome: Resolution, source: str,
+                      note: str | None, waits: ReconcileWaits) -> Receipt | ResolveRefused:
+        def op(conn: sqlite3.Connection) -> Receipt | ResolveRefused:
+            now = self._now()
             row = conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
             if row is None:
-                return "not_found"
-            started = row["forwarded_at"] or row["created_at"]
-            if row["status"] != "outcome_unknown" or \
-                    now < started + wait_s.get(row["upstream"], default_wait_s):
-                return "not_reconcilable"
+                return ResolveRefused.NOT_FOUND
+            ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
+            if not may_resolve(row["status"], ready_at, now):
+                return ResolveRefused.NOT_RECONCILABLE
             resolution = {"outcome": outcome, "source": source, "note": note,
                           "at": rfc3339(now)}
             conn.execute("UPDATE receipts SET status = 'reconciled', resolution = ?, "
                          "completed_at = coalesce(completed_at, ?) WHERE id = ?",
                          (json.dumps(resolution), now, receipt_id))
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
-            updated = conn.execute("SELECT * FROM receipts WHERE id = ?",
-                                   (receipt_id,)).fetchone()
-            return receipt_record(updated)
+            return receipt_of(conn.execute("SELECT * FROM receipts WHERE id = ?",
+                                           (receipt_id,)).fetchone())
 
-        return await self._write(op)
+        return await self._write(op)  # type: ignore[no-any-return]
 
-    # -- reads --------------------------------------------------------------------------------
+    # -- reads (§7) ---------------------------------------------------------------------------
 
-    async def get_receipt(self, receipt_id: str) -> dict[str, Any] | None:
-        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
-            row = conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
-            return receipt_record(row) if row else None
+    async def get_receipt(self, receipt_id: str) -> Receipt | None:
+        def op(conn: sqlite3.Connection) -> Receipt | None:
+            row = conn.execute(f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = ?",
+                               (receipt_id,)).fetchone()
+            return receipt_of(row) if row else None
 
-        return await self._read(op)
+        return await self._read(op)  # type: ignore[no-any-return]
 
-    async def list_receipts(self, query: ReceiptQuery) -> list[dict[str, Any]]:
-        clauses, params = [], []
+    async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
+        clauses: list[str] = []
+        params: list[object] = []
         for column, value in (("resource", query.resource), ("status", query.status),
                               ("owner", query.owner),
                               ("idempotency_key", query.idempotency_key)):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
-        for clause, value in (("fence >= ?", query.fence_min), ("fence <= ?", query.fence_max),
+        for clause, bound in (("fence >= ?", query.fence_min), ("fence <= ?", query.fence_max),
                               ("created_at >= ?", query.since), ("created_at < ?", query.until),
                               ("id > ?", query.after_id)):
-            if value is not None:
+            if bound is not None:
                 clauses.append(clause)
-                params.append(value)
+                params.append(bound)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ?"
         params.append(query.limit)
-        return await self._read(
-            lambda conn: [receipt_record(r) for r in conn.execute(sql, params).fetchall()])
+        return await self._read(  # type: ignore[no-any-return]
+            lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()])
 
-    # -- leases (SPEC 6) ----------------------------------------------------------------------
+    # -- leases (§6) --------------------------------------------------------------------------
 
     async def acquire(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
-                      client: str | None, acquire_key: str | None) -> tuple[str, dict[str, Any],
-                                                                             float | None]:
-        """Compare-and-swap acquire: ('acquired'|'retried'|'held', lease, held_seconds).
-
-        `held_seconds` is how long the lease that was taken over had been held, for metrics.
-        Always durable, also in relaxed mode.
-        """
-        return await self._write(
+                      client: str | None, acquire_key: str | None) -> AcquireResult:
+        """The acquire CAS; always durable, also in relaxed mode."""
+        return await self._write(  # type: ignore[no-any-return]
             lambda conn: self._acquire(conn, resource, owner, ttl_s, lock_delay_s, client,
                                        acquire_key), durable=True)
 
     def _acquire(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
                  lock_delay_s: float, client: str | None,
-                 acquire_key: str | None) -> tuple[str, dict[str, Any], float | None]:
-        """The acquire CAS inside a transaction (also the sweeper's claim uses it)."""
-        now = time.time()
-        row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-        held_seconds = None
-        if row is not None:
-            live = row["state"] == "held" and now < row["expires_at"]
-            # A retry answers with the lease it made only while that lease lives: handing
-            # back an expired or released lease would give the client a dead fence.
-            if (live and acquire_key is not None and row["acquire_key"] == acquire_key
-                    and row["client"] == client and row["owner"] == owner):
-                return "retried", lease_record(row, now), None
-            free = row["state"] == "released" or now >= row["expires_at"] + lock_delay_s
-            if not free:
-                return "held", lease_record(row, now), None
-            if row["state"] == "held":  # taken over before the sweeper marked it expired
-                held_seconds = row["expires_at"] - row["acquired_at"]
-        fences = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
-                              (resource,)).fetchone()
-        fence = max(fences["issued"], fences["accepted"]) + 1 if fences else 1
+                 acquire_key: str | None) -> AcquireResult:
+        """The acquire CAS inside a transaction (the sweeper's claim uses it too)."""
+        now = self._now()
+        current = self._lease(conn, resource)
+        decision = leases.decide_acquire(current, owner, client, acquire_key, lock_delay_s, now)
+        if current is not None and isinstance(decision, leases.Retried):
+            return AcquireResult("retried", shown(current, now), None)
+        if current is not None and isinstance(decision, leases.Held):
+            return AcquireResult("held", shown(current, now), None)
+        fence = fences.next_fence(*self._fences(conn, resource))
         conn.execute("INSERT INTO fences (resource, issued) VALUES (?, ?) "
                      "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
                      (resource, fence))
@@ -411,72 +402,58 @@ class SqliteStore:
             "state, acquired_at, renewed_at, expires_at, ended_at) "
             "VALUES (?, ?, ?, ?, ?, 'held', ?, ?, ?, NULL)",
             (resource, owner, fence, client, acquire_key, now, now, now + ttl_s))
-        new = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-        return "acquired", lease_record(new, now), held_seconds
+        granted = Lease(resource=resource, owner=owner, fence=fence, state="held",
+                        client=client, acquire_key=acquire_key, acquired_at=now,
+                        renewed_at=now, expires_at=now + ttl_s)
+        held = decision.held_seconds if isinstance(decision, leases.Grant) else None
+        return AcquireResult("acquired", granted, held)
 
     async def renew(self, resource: str, owner: str, fence: int, ttl_s: float,
-                    client: str | None = None) -> dict[str, Any] | None:
-        """The renewed lease, or None when it is lost (not ours, expired or released).
+                    client: str | None = None) -> Lease | None:
+        """The renewed lease, or None when it is lost (not ours, expired or released)."""
 
-        Only the client that acquired a lease may renew it (`client` None: running open)."""
-
-        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
-            now = time.time()
-            cursor = conn.execute(
-                "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ? AND "
-                "owner = ? AND fence = ? AND client IS ? AND state = 'held' AND expires_at > ?",
-                (now, now + ttl_s, resource, owner, fence, client, now))
-            if cursor.rowcount == 0:
+        def op(conn: sqlite3.Connection) -> Lease | None:
+            now = self._now()
+            current = self._lease(conn, resource)
+            if current is None or not leases.may_renew(current, owner, fence, client, now):
                 return None
-            row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-            return lease_record(row, now)
+            conn.execute("UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
+                         (now, now + ttl_s, resource))
+            return replace(current, renewed_at=now, expires_at=now + ttl_s)
 
-        return await self._write(op)
+        return await self._write(op)  # type: ignore[no-any-return]
 
     async def release(self, resource: str, owner: str | None, fence: int | None,
-                      client: str | None = None) -> tuple[bool, float | None]:
-        """(ok, held_seconds). With owner and fence None: an admin's revoke.
+                      client: str | None = None) -> Release:
+        """With owner and fence None: an admin's revoke (`gateway.core.leases`)."""
 
-        Releasing a lease its holder already released, or that expired untaken, is ok. A
-        release after expiry leaves the lease to the sweeper, which marks it expired and
-        schedules its `on_expiry` cleanup as for any expiry.
-        """
+        def op(conn: sqlite3.Connection) -> Release:
+            now = self._now()
+            decision = leases.decide_release(self._lease(conn, resource), owner, fence,
+                                             client, now)
+            if decision.action == "release":
+                conn.execute("UPDATE leases SET state = 'released', ended_at = ? "
+                             "WHERE resource = ?", (now, resource))
+            elif decision.action == "free":
+                conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?",
+                             (resource,))
+            return decision
 
-        def op(conn: sqlite3.Connection) -> tuple[bool, float | None]:
-            now = time.time()
-            row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-            if row is None:
-                return owner is None, None
-            if owner is not None and (row["owner"] != owner or row["fence"] != fence
-                                      or row["client"] != client):
-                return False, None
-            if row["state"] != "held":
-                if owner is None and row["state"] == "expired":
-                    # a revoke frees the resource at once: no lock delay after it
-                    conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?",
-                                 (resource,))
-                return True, None
-            if owner is not None and now >= row["expires_at"]:
-                return True, None  # expired untaken: the sweeper's to mark and clean up after
-            held = min(now, row["expires_at"]) - row["acquired_at"]
-            conn.execute("UPDATE leases SET state = 'released', ended_at = ? WHERE resource = ?",
-                         (now, resource))
-            return True, held
+        return await self._write(op)  # type: ignore[no-any-return]
 
-        return await self._write(op)
+    async def get_lease(self, resource: str) -> Lease | None:
+        def op(conn: sqlite3.Connection) -> Lease | None:
+            current = self._lease(conn, resource)
+            return shown(current, self._now()) if current else None
 
-    async def get_lease(self, resource: str) -> dict[str, Any] | None:
-        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
-            row = conn.execute("SELECT * FROM leases WHERE resource = ?", (resource,)).fetchone()
-            return lease_record(row, time.time()) if row else None
-
-        return await self._read(op)
+        return await self._read(op)  # type: ignore[no-any-return]
 
     async def list_leases(self, prefix: str | None, state: str | None, after: str | None,
-                          limit: int) -> list[dict[str, Any]]:
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            now = time.time()
-            clauses, params = [], []
+                          limit: int) -> list[Lease]:
+        def op(conn: sqlite3.Connection) -> list[Lease]:
+            now = self._now()
+            clauses: list[str] = []
+            params: list[object] = []
             if prefix:
                 clauses.append("substr(resource, 1, ?) = ?")
                 params += [len(prefix), prefix]
@@ -494,43 +471,31 @@ class SqliteStore:
             where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
             rows = conn.execute(f"SELECT * FROM leases {where} ORDER BY resource LIMIT ?",
                                 [*params, limit]).fetchall()
-            return [lease_record(r, now) for r in rows]
+            return [shown(lease_of(r), now) for r in rows]
 
-        return await self._read(op)
+        return await self._read(op)  # type: ignore[no-any-return]
 
-    async def expire_leases(self, cleanup_delay: CleanupDelay | None = None,
-                            ) -> list[dict[str, Any]]:
-        """Mark held leases past expiry `expired`; the ones this call marked, with held time.
-
-        `cleanup_delay(resource, owner)` says which of them owe a sweeper cleanup (SPEC 9)
-        and after what lock delay: those are scheduled in the same transaction, so a crash
-        between the two can never lose one.
-        """
-
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            now = time.time()
-            rows = conn.execute("SELECT * FROM leases WHERE state = 'held' AND expires_at <= ?",
-                                (now,)).fetchall()
+    async def expire_leases(self, cleanup_delay: CleanupDelay | None = None) -> list[Lease]:
+        def op(conn: sqlite3.Connection) -> list[Lease]:
+            now = self._now()
+            expired = [lease_of(row) for row in conn.execute(
+                "SELECT * FROM leases WHERE state = 'held' AND expires_at <= ?",
+                (now,)).fetchall()]
             conn.execute("UPDATE leases SET state = 'expired', ended_at = ? "
                          "WHERE state = 'held' AND expires_at <= ?", (now, now))
             if cleanup_delay is not None:
-                self._schedule_cleanups(conn, rows, cleanup_delay, now)
-            return [{**lease_record(r, now),
-                     "held_seconds": r["expires_at"] - r["acquired_at"]} for r in rows]
+                self._schedule_cleanups(conn, expired, cleanup_delay, now)
+            return expired
 
-        return await self._write(op)
+        return await self._write(op)  # type: ignore[no-any-return]
 
-    # -- sweeper cleanups (SPEC 9) ---------------------------------------------------------
-    # A row in `cleanups` is a rule's `on_expiry` call still owed for a resource. It is written
-    # in the transaction that marks the lease expired and deleted only once the call is known
-    # to have happened (or a new owner took the resource over), so neither a failed call nor
-    # a restart loses one. The claim re-checks everything in one transaction and takes the
-    # sweeper's lease with the acquire CAS: with several sweepers, one call per attempt.
+    # -- sweeper cleanups (§9; the decisions are gateway.core.cleanups') -------------------
 
-    def _schedule_cleanups(self, conn: sqlite3.Connection, rows: list[sqlite3.Row],
+    @staticmethod
+    def _schedule_cleanups(conn: sqlite3.Connection, expired: list[Lease],
                            cleanup_delay: CleanupDelay, now: float) -> None:
-        for row in rows:
-            delay = cleanup_delay(row["resource"], row["owner"])
+        for lease in expired:
+            delay = cleanup_delay(lease.resource, lease.owner)
             if delay is None:
                 continue
             # A newer expiry replaces an older owed cleanup: whoever held the resource in
@@ -541,17 +506,17 @@ class SqliteStore:
                 "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
                 "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
                 "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
-                (row["resource"], row["fence"], row["owner"], row["expires_at"] + delay, now))
+                (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now))
 
     async def due_cleanups(self, limit: int) -> list[str]:
         """Resources whose owed cleanup is due now, the longest due first."""
-        return await self._read(lambda conn: [row["resource"] for row in conn.execute(
+        return await self._read(lambda conn: [row["resource"] for row in conn.execute(  # type: ignore[no-any-return]
             "SELECT resource FROM cleanups WHERE due_at <= ? ORDER BY due_at LIMIT ?",
-            (time.time(), limit)).fetchall()])
+            (self._now(), limit)).fetchall()])
 
-    async def list_cleanups(self) -> list[dict[str, Any]]:
+    async def list_cleanups(self) -> list[OwedCleanup]:
         """Every owed cleanup, for operators and tests."""
-        return await self._read(lambda conn: [dict(row) for row in conn.execute(
+        return await self._read(lambda conn: [owed_cleanup_of(row) for row in conn.execute(  # type: ignore[no-any-return]
             "SELECT * FROM cleanups ORDER BY resource").fetchall()])
 
     async def claim_cleanup(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
@@ -562,43 +527,38 @@ class SqliteStore:
         `recheck_s`: how long to leave the row alone when it must wait (an earlier attempt's
         outcome is unknown, or the resource is still held).
         """
-        return await self._write(
+        return await self._write(  # type: ignore[no-any-return]
             lambda conn: self._claim_cleanup(conn, resource, owner, ttl_s, lock_delay_s,
                                              recheck_s), durable=True)
 
     def _claim_cleanup(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
                        lock_delay_s: float, recheck_s: float) -> CleanupClaim:
-        now = time.time()
+        now = self._now()
         row = conn.execute("SELECT * FROM cleanups WHERE resource = ?", (resource,)).fetchone()
-        if row is None or now < row["due_at"]:
+        if row is None:
             return CleanupClaim("not_due")
-        later = ("UPDATE cleanups SET due_at = ? WHERE resource = ?", (now + recheck_s, resource))
-        if row["sweep_fence"] is not None:
-            earlier = self._key_state(conn, resource, sweep_key(row["sweep_fence"]))
-            if earlier is not None and earlier.status in ("pending", "outcome_unknown"):
-                conn.execute(*later)
-                return CleanupClaim("waiting", receipt_id=earlier.receipt_id)
-            if earlier is not None and (earlier.status == "succeeded" or (
-                    earlier.status == "reconciled" and earlier.resolution != "not_applied")):
-                conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
-                return CleanupClaim("done", receipt_id=earlier.receipt_id)
-        # Still owed. The lease must be the one this cleanup follows (the expired owner's, or
-        # the sweeper's last attempt); anything newer means a new owner took the resource.
-        expected = row["sweep_fence"] or row["lease_fence"]
-        lease = conn.execute("SELECT owner, fence FROM leases WHERE resource = ?",
-                             (resource,)).fetchone()
-        if lease is None or lease["fence"] != expected:
+        owed = owed_cleanup_of(row)
+        earlier = None if owed.sweep_fence is None else self._key_state(
+            conn, resource, idempotency.sweep_key(owed.sweep_fence))
+        current = self._lease(conn, resource)
+        verdict = cleanups.decide_claim(owed, earlier, current.fence if current else None,
+                                        current.owner if current else None, now)
+        if verdict is None:  # still owed, after the lease it follows: try the acquire CAS
+            taken = self._acquire(conn, resource, owner, ttl_s, lock_delay_s, None, None)
+            if taken.result == "acquired":
+                fence = taken.lease.fence
+                conn.execute("UPDATE cleanups SET sweep_fence = ?, attempts = attempts + 1 "
+                             "WHERE resource = ?", (fence, resource))
+                return CleanupClaim("claimed", fence=fence, key=idempotency.sweep_key(fence),
+                                    attempt=owed.attempts + 1, lease_fence=owed.lease_fence,
+                                    lease_owner=owed.lease_owner)
+            verdict = CleanupClaim("busy", holder=taken.lease.owner)
+        if verdict.state in ("waiting", "busy"):
+            conn.execute("UPDATE cleanups SET due_at = ? WHERE resource = ?",
+                         (now + recheck_s, resource))
+        elif verdict.state in ("done", "superseded"):
             conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
-            return CleanupClaim("superseded", holder=lease["owner"] if lease else None)
-        result, record, _ = self._acquire(conn, resource, owner, ttl_s, lock_delay_s, None, None)
-        if result != "acquired":
-            conn.execute(*later)
-            return CleanupClaim("busy", holder=record["owner"])
-        conn.execute("UPDATE cleanups SET sweep_fence = ?, attempts = attempts + 1 "
-                     "WHERE resource = ?", (record["fence"], resource))
-        return CleanupClaim("claimed", fence=record["fence"], key=sweep_key(record["fence"]),
-                            attempt=row["attempts"] + 1, lease_fence=row["lease_fence"],
-                            lease_owner=row["lease_owner"])
+        return verdict
 
     async def finish_cleanup(self, resource: str, fence: int, done: bool,
                              retry_at: float | None = None, error: str | None = None) -> None:
@@ -612,7 +572,7 @@ class SqliteStore:
             else:
                 conn.execute("UPDATE cleanups SET due_at = ?, last_error = ? "
                              "WHERE resource = ? AND sweep_fence = ?",
-                             (retry_at if retry_at is not None else time.time(), error,
+                             (retry_at if retry_at is not None else self._now(), error,
                               resource, fence))
 
         await self._write(op)
@@ -622,62 +582,57 @@ class SqliteStore:
         await self._write(lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = ?",
                                                     (resource,)))
 
-    # -- upkeep (SPEC 9) ----------------------------------------------------------------------
+    # -- upkeep (§9) --------------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
         await self._write(lambda conn: conn.execute(
-            "UPDATE instances SET heartbeat_at = ? WHERE id = ?", (time.time(), self.instance)))
+            "UPDATE instances SET heartbeat_at = ? WHERE id = ?", (self._now(), self.instance)))
 
-    async def expire_pending(self, wait_s: dict[str, float], default_wait_s: float,
-                             silent_after_s: float,
+    async def expire_pending(self, waits: ReconcileWaits, silent_after_s: float,
                              in_flight: frozenset[str]) -> dict[str, int]:
-        """Turn lost `pending` receipts `outcome_unknown`: their instance fell silent, or
-        they are older than their upstream's timeout plus grace (`wait_s`). Receipts this
-        process still has in flight are not lost, whatever their age. How many, by upstream."""
+        """Turn lost `pending` receipts `outcome_unknown` (`gateway.core.receipts.is_lost`);
+        how many, by upstream."""
 
         def op(conn: sqlite3.Connection) -> dict[str, int]:
-            now = time.time()
+            now = self._now()
             rows = conn.execute(
                 "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at "
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'").fetchall()
-            lost = [
-                row for row in rows if row["id"] not in in_flight and (
-                    row["heartbeat_at"] is None or row["heartbeat_at"] < now - silent_after_s
-                    or (row["forwarded_at"] or row["created_at"])
-                    + wait_s.get(row["upstream"], default_wait_s) < now)
-            ]
+            lost = [row for row in rows if is_lost(
+                in_flight_here=row["id"] in in_flight, heartbeat_at=row["heartbeat_at"],
+                silent_after_s=silent_after_s, now=now,
+                ready_at=waits.ready_at(row["upstream"], row["forwarded_at"],
+                                        row["created_at"]))]
             conn.executemany("UPDATE receipts SET status = 'outcome_unknown', error = "
                              "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
                              [(row["id"],) for row in lost])
             return _count_by_upstream(lost)
 
-        return await self._write(op)
+        return await self._write(op)  # type: ignore[no-any-return]
 
     async def prune(self, receipt_retention_s: float) -> int:
         def op(conn: sqlite3.Connection) -> int:
-            now = time.time()
+            now = self._now()
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now,))
             # Index range seeks only, and a bounded batch: this runs in the writer thread,
             # where every admission waits behind it.
             cursor = conn.execute(
-                "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
-                "IN ('succeeded', 'failed', 'not_sent', 'rejected', 'reconciled') AND "
-                "r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM idempotency_keys k "
-                "WHERE k.receipt_id = r.id) LIMIT ?)",
+                f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
+                f"IN ({_SETTLED}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
+                "idempotency_keys k WHERE k.receipt_id = r.id) LIMIT ?)",
                 (now - receipt_retention_s, PRUNE_BATCH))
             return cursor.rowcount
 
-        return await self._write(op)
+        return await self._write(op)  # type: ignore[no-any-return]
 
     async def oldest_unknown_age(self) -> float:
         def op(conn: sqlite3.Connection) -> float:
             row = conn.execute("SELECT min(created_at) AS t FROM receipts "
                                "WHERE status = 'outcome_unknown'").fetchone()
-            return time.time() - row["t"] if row["t"] is not None else 0.0
+            return self._now() - row["t"] if row["t"] is not None else 0.0
 
-        return await self._read(op)
-
+        return await self._read(op)  # type: ignore[no-any-return]
 
 
 def _count_by_upstream(rows: list[sqlite3.Row]) -> dict[str, int]:

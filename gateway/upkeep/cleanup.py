@@ -1,4 +1,4 @@
-"""Sweeper cleanup (SPEC 9): a rule's `on_expiry` call after a lease expired untaken.
+"""Sweeper cleanup (docs/contract.md §9): a rule's `on_expiry` call after a lease expired untaken.
 
 Why it is shaped this way:
 
@@ -13,7 +13,7 @@ Why it is shaped this way:
   the acquire CAS, as owner `gateway-sweeper:{instance}`. Only the claim's winner calls.
 * **Like any call.** The sweeper's lease has a new fence, so the former owner is fenced out
   before anything is sent; the call goes through `store.admit` (own receipt, key
-  `gw-sweep-{fence}`), waits in the resource's lane behind older calls, is sent once, and its
+  `gw-sweep-{fence}`), waits in the resource's place behind older calls, is sent once, and its
   outcome is recorded before the lease is released.
 * **Off the sweep loop.** A cleanup call may take the upstream's whole `timeout_s`; it runs
   as its own task (one per resource) so heartbeats and expiry keep their pace.
@@ -22,30 +22,25 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from gateway.config.policy import ResourceRule, Upstream
-from gateway.core import admission, errors
+from gateway.core import errors, idempotency
+from gateway.core.leases import SWEEPER_OWNER_PREFIX, sweeper_owner
 from gateway.observe import logs
 from gateway.proxy import appkeys
+from gateway.proxy.flow import Flow
+from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.headers import new_request_id
-from gateway.proxy.ordering import clear_to_forward
-from gateway.proxy.relay import fenced_headers, read_head, upstream_headers
-from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Admitted, Call, CleanupClaim, Outcome, Refused
 
-SWEEPER_OWNER_PREFIX = "gateway-sweeper:"
 MAX_RETRY_S = 60.0       # the longest wait between two tries of a failing cleanup
 MIN_RECHECK_S = 1.0      # how often an unknown outcome or a held resource is looked at again
 DUE_PER_SWEEP = 100      # owed cleanups started by one sweep at most
-
-
-def sweeper_owner(instance: str) -> str:
-    return f"{SWEEPER_OWNER_PREFIX}{instance}"
 
 
 class Cleaner:
@@ -72,7 +67,10 @@ class Cleaner:
             if resource not in self._tasks:
                 task = asyncio.create_task(self._clean(resource), name=f"cleanup {resource}")
                 self._tasks[resource] = task
-                task.add_done_callback(lambda _t, r=resource: self._tasks.pop(r, None))
+                task.add_done_callback(functools.partial(self._forget, resource))
+
+    def _forget(self, resource: str, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(resource, None)
 
     async def close(self, grace_s: float) -> None:
         """Let cleanups in flight finish (and record their outcomes) for up to `grace_s`."""
@@ -150,9 +148,8 @@ class Cleaner:
 
     async def _call(self, rule: ResourceRule, upstream: Upstream, resource: str, fence: int,
                     key: str, owner: str) -> tuple[Outcome, str | None]:
-        """The on_expiry call through the fenced path: lane, admit, send once, record."""
+        """The on_expiry call through the fenced path: place, admit, send once, record."""
         app = self._app
-        store, metrics = app[appkeys.STORE], app[appkeys.METRICS]
         template = rule.on_expiry
         if template is None:
             raise ValueError(f"the rule for {resource!r} has no on_expiry")
@@ -161,37 +158,26 @@ class Cleaner:
         call = Call(resource=resource, fence=fence, owner=owner, client=None,
                     upstream=upstream.name, method=method, path=recorded_path,
                     issuer="gateway", idempotency_key=key,
-                    fingerprint=admission.fingerprint(method, upstream.mount + recorded_path, b""),
+                    fingerprint=idempotency.fingerprint(method, upstream.mount + recorded_path,
+                                                        b""),
                     retry_statuses=rule.idempotency.retry_statuses,
                     retention_s=rule.idempotency.retention_s)
-        async with app[appkeys.LANES].lane(resource) as lane:
-            if rule.concurrency == "serial" and not await lane.take_turn(rule.queue_timeout_s):
+        flow = Flow(new_request_id(), upstream=upstream, method=method, rest=recorded_path,
+                    resource=resource, fence=fence, owner=owner, rule=rule, call=call)
+        async with app[appkeys.LANES].join(resource) as place:
+            try:
+                await take_turn(rule, resource, place)
+            except errors.ResourceBusy:
                 return Outcome("not_sent", error="resource_busy"), None
-            lane.register(fence)
-            result = await store.admit(call)
+            result = await admit(app, call, place)
             if isinstance(result, Refused):
                 return Outcome("not_sent", error=result.code), result.receipt_id
             if not isinstance(result, Admitted):  # a replay: a fresh fence's key cannot have one
                 return Outcome("not_sent", error="replayed"), result.receipt_id
-            receipt_id = result.receipt_id
-            in_flight = app[appkeys.IN_FLIGHT]
-            in_flight.add(receipt_id)
-            try:
-                blocked = await clear_to_forward(lane, rule.queue_timeout_s, store, receipt_id)
-                if blocked is not None:
-                    outcome = Outcome("not_sent", error=blocked)
-                else:
-                    path = template.render(resource, fence, key, receipt_id)
-                    sent = upstream_headers(None, upstream, frozenset(), fenced_headers(
-                        rule, resource, fence, key, receipt_id, new_request_id()))
-                    outcome = await _send(app, upstream, method, path, sent,
-                                          rule.idempotency.replay_max_bytes)
-                if outcome.status == "outcome_unknown":
-                    metrics.outcome_unknown.labels(upstream.name).inc()
-                await store.complete(receipt_id, outcome)
-            finally:
-                in_flight.discard(receipt_id)
-            return outcome, receipt_id
+            flow.receipt_id = result.receipt_id
+            flow.rest = template.render(resource, fence, key, result.receipt_id)
+            async with forward(app, flow, call, place, None, None) as exchange:
+                return exchange.outcome, result.receipt_id
 
     async def _release(self, resource: str, owner: str, fence: int) -> None:
         try:
@@ -199,22 +185,6 @@ class Cleaner:
         except errors.StoreUnavailable as exc:  # the lease runs out by itself
             logs.event("cleanup_release_failed", logging.WARNING, resource=resource,
                        fence=fence, error=str(exc))
-
-
-async def _send(app: web.Application, upstream: Upstream, method: str, path: str,
-                sent: CIMultiDict[str], keep_max: int) -> Outcome:
-    """Send once; the outcome for the receipt (SPEC 3's table)."""
-    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
-    forwarded_at = time.time()
-    try:
-        answer = await app[appkeys.UPSTREAMS].send(upstream, method, path, sent, None, deadline)
-    except UpstreamFailure as failure:
-        outcome = failure.as_outcome(forwarded_at)
-    else:
-        async with answer:
-            outcome = (await read_head(answer, keep_max, deadline)).outcome(forwarded_at)
-    app[appkeys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
-    return outcome
 
 
 def _result_of(outcome: Outcome) -> str:

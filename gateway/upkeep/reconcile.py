@@ -1,4 +1,5 @@
-"""Reconciling lost outcomes (SPEC 7): when a receipt may be resolved, and the policy's probe.
+"""Reconciling lost outcomes (docs/contract.md §7): when a receipt may be resolved, and the
+policy's probe.
 
 A receipt is `outcome_unknown` when the gateway cannot tell whether the tool acted. Someone
 who can tell resolves it: an operator or a reconciler service by decision (`resolve`), or the
@@ -24,43 +25,40 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import errors
+from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
+from gateway.core.times import rfc3339
 from gateway.observe import logs
 from gateway.proxy import appkeys, headers
 from gateway.proxy.relay import upstream_headers
 from gateway.proxy.upstream import UpstreamFailure
-from gateway.store.base import parse_rfc3339, rfc3339
+from gateway.store.base import Receipt, ResolveRefused
 
-OUTCOMES = ("applied", "not_applied", "compensated")
 PROBE_SOURCE = "policy:probe"
 # The metric label is the part of `source` before ':'; anything but these kinds is counted as
 # "other", so a free-text source cannot blow up the metric's label set.
 SOURCE_KINDS = frozenset({"operator", "policy", "service"})
 
 
-def wait_times(app: web.Application) -> tuple[dict[str, float], float]:
-    """Per upstream, how long after `forwarded_at` a call may still be running upstream:
-    its `timeout_s` + `GATEWAY_RECONCILE_GRACE_S`. The second value is for receipts of an
-    upstream no longer in the policies (the same default as the sweeper's)."""
+def wait_times(app: web.Application) -> ReconcileWaits:
+    """Per upstream, how long after `forwarded_at` a call may still be running at its tool.
+    Receipts of an upstream no longer in the policies wait the longest of them."""
     grace = app[appkeys.SETTINGS].reconcile_grace_s
     waits = {name: u.timeout_s + grace for name, u in app[appkeys.POLICIES].upstreams.items()}
-    return waits, max(waits.values(), default=30.0)
+    return ReconcileWaits(waits, max(waits.values(), default=30.0))
 
 
-def refusal(receipt: dict[str, Any], waits: dict[str, float], default_wait: float,
-            now: float) -> str | None:
+def why_not_reconcilable(receipt: Receipt, waits: ReconcileWaits, now: float) -> str | None:
     """Why `receipt` cannot be reconciled now, in words for the operator; None when it can."""
-    status = receipt["status"]
-    if status == "reconciled":
-        resolution = receipt["resolution"] or {}
-        return (f"receipt {receipt['id']} is already reconciled "
+    if receipt.status == "reconciled":
+        resolution = receipt.resolution or {}
+        return (f"receipt {receipt.id} is already reconciled "
                 f"({resolution.get('outcome')} by {resolution.get('source')})")
-    if status != "outcome_unknown":
-        return (f"receipt {receipt['id']} is {status}: only outcome_unknown receipts are "
+    if receipt.status != "outcome_unknown":
+        return (f"receipt {receipt.id} is {receipt.status}: only outcome_unknown receipts are "
                 "reconciled")
-    started = parse_rfc3339(receipt["forwarded_at"] or receipt["created_at"])
-    ready_at = started + waits.get(receipt["upstream"], default_wait)
-    if now < ready_at:
-        return (f"receipt {receipt['id']} may still be running upstream: it is reconcilable "
+    ready_at = waits.ready_at(receipt.upstream, receipt.forwarded_at, receipt.created_at)
+    if not may_resolve(receipt.status, ready_at, now):
+        return (f"receipt {receipt.id} may still be running upstream: it is reconcilable "
                 f"from {rfc3339(ready_at)} (forwarded_at + the upstream's timeout_s + "
                 "GATEWAY_RECONCILE_GRACE_S)")
     return None
@@ -71,32 +69,31 @@ def metric_source(source: str) -> str:
     return kind if kind in SOURCE_KINDS else "other"
 
 
-async def resolve(app: web.Application, receipt_id: str, outcome: str, source: str,
-                  note: str | None) -> dict[str, Any]:
-    """Reconcile the receipt atomically in the store; the receipt, or NotFound/NotReconcilable."""
+async def resolve(app: web.Application, receipt_id: str, outcome: Resolution, source: str,
+                  note: str | None) -> Receipt:
+    """Reconcile the receipt atomically in the store; NotFound/NotReconcilable otherwise."""
     store = app[appkeys.STORE]
-    waits, default_wait = wait_times(app)
-    result = await store.resolve(receipt_id, outcome, source, note, waits, default_wait)
-    if result == "not_found":
+    waits = wait_times(app)
+    result = await store.resolve(receipt_id, outcome, source, note, waits)
+    if result is ResolveRefused.NOT_FOUND:
         raise errors.NotFound(f"no receipt {receipt_id!r}")
-    if isinstance(result, str):
+    if isinstance(result, ResolveRefused):
         current = await store.get_receipt(receipt_id)
-        detail = refusal(current, waits, default_wait, time.time()) if current else None
+        detail = why_not_reconcilable(current, waits, time.time()) if current else None
         raise errors.NotReconcilable(detail or f"receipt {receipt_id} is not reconcilable")
     app[appkeys.METRICS].reconciliations.labels(outcome, metric_source(source)).inc()
-    logs.event("receipt_reconciled", receipt_id=receipt_id, resource=result["resource"],
-               fence=result["fence"], upstream=result["upstream"], outcome=outcome,
+    logs.event("receipt_reconciled", receipt_id=receipt_id, resource=result.resource,
+               fence=result.fence, upstream=result.upstream, outcome=outcome,
                source=source)
     return result
 
 
-async def get_reconcilable(app: web.Application, receipt_id: str) -> dict[str, Any]:
+async def get_reconcilable(app: web.Application, receipt_id: str) -> Receipt:
     """The receipt if it could be resolved now, else NotFound/NotReconcilable."""
     receipt = await app[appkeys.STORE].get_receipt(receipt_id)
     if receipt is None:
         raise errors.NotFound(f"no receipt {receipt_id!r}")
-    waits, default_wait = wait_times(app)
-    detail = refusal(receipt, waits, default_wait, time.time())
+    detail = why_not_reconcilable(receipt, wait_times(app), time.time())
     if detail is not None:
         raise errors.NotReconcilable(detail)
     return receipt
@@ -109,19 +106,19 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     `"error"`, status null, when the probe itself could not get an answer).
     """
     receipt = await get_reconcilable(app, receipt_id)
-    upstream = app[appkeys.POLICIES].upstreams.get(receipt["upstream"])
-    rule = app[appkeys.POLICIES].rule_for(receipt["upstream"], receipt["resource"])
+    upstream = app[appkeys.POLICIES].upstreams.get(receipt.upstream)
+    rule = app[appkeys.POLICIES].rule_for(receipt.upstream, receipt.resource)
     if upstream is None or rule is None or rule.probe is None:
         raise errors.NotReconcilable(
             f"the policy has no probe for receipt {receipt_id} (upstream "
-            f"{receipt['upstream']}, resource {receipt['resource']!r}): resolve it instead")
+            f"{receipt.upstream}, resource {receipt.resource!r}): resolve it instead")
     template = rule.probe
     request_id = headers.new_request_id()
     # the tool's credentials as on every call, but no key or fence: this is a read
     sent = upstream_headers(None, upstream, frozenset(), {
         headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id})
-    target = template.render(receipt["resource"], receipt["fence"],
-                             receipt["idempotency_key"] or "", receipt_id)
+    target = template.render(receipt.resource, receipt.fence, receipt.idempotency_key or "",
+                             receipt_id)
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
         answer = await app[appkeys.UPSTREAMS].send(upstream, template.method, target, sent, None,
@@ -129,14 +126,15 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     except UpstreamFailure as failure:
         logs.event("probe_failed", logging.WARNING, receipt_id=receipt_id,
                    upstream=upstream.name, request_id=request_id, error=failure.error.detail)
-        return {**receipt, "probe": {"status": None, "error": failure.error.detail}}
+        return {**receipt.to_json(), "probe": {"status": None, "error": failure.error.detail}}
     async with answer:
         status = answer.status
-    outcome = "applied" if 200 <= status < 300 else "not_applied" if status == 404 else None
+    outcome: Resolution | None = (
+        "applied" if 200 <= status < 300 else "not_applied" if status == 404 else None)
     logs.event("probe_answered", receipt_id=receipt_id, upstream=upstream.name,
                request_id=request_id, status=status, outcome=outcome)
     if outcome is None:
         current = await app[appkeys.STORE].get_receipt(receipt_id) or receipt
-        return {**current, "probe": {"status": status}}
+        return {**current.to_json(), "probe": {"status": status}}
     note = f"probe {template.method} answered {status}"
-    return await resolve(app, receipt_id, outcome, PROBE_SOURCE, note)
+    return (await resolve(app, receipt_id, outcome, PROBE_SOURCE, note)).to_json()

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.store.base import parse_rfc3339
+from gateway.core.times import parse_rfc3339
 from tests.harness import (
     Behavior,
     CallResult,

@@ -29,6 +29,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.config.policy_files import load_policies
 from gateway.config.settings import Settings
+from gateway.core.receipts import ReconcileWaits
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
 from tests.harness import (
@@ -506,7 +507,8 @@ class TestLateOutcomes:
         receipt_id = upstream.requests[0].headers["X-Receipt-Id"]
         # Another replica's sweeper finds this instance silent: the receipt is lost to it.
         store = server.app[appkeys.STORE]
-        assert sum((await store.expire_pending({}, 0.0, 3600.0, frozenset())).values()) == 1
+        lost = await store.expire_pending(ReconcileWaits({}, 0.0), 3600.0, frozenset())
+        assert sum(lost.values()) == 1
         return gate, task, receipt_id
 
     async def test_an_outcome_after_outcome_unknown_is_recorded_late(
@@ -539,9 +541,9 @@ class TestLateOutcomes:
         gate, task, receipt_id = await self.hold_a_call(app_server, upstream, session, "k-1")
         # ...and another replica's reconciler resolves it (its grace already passed there).
         resolved = await app_server.app[appkeys.STORE].resolve(
-            receipt_id, "not_applied", "operator:bob", None, {}, 0.0
+            receipt_id, "not_applied", "operator:bob", None, ReconcileWaits({}, 0.0)
         )
-        assert resolved["status"] == "reconciled"
+        assert resolved.status == "reconciled"
         with caplog.at_level(logging.WARNING, logger="fence_gateway"):
             gate.set()
             answer = await task

@@ -4,9 +4,11 @@ import asyncio
 import dataclasses
 import random
 
+from gateway.core.receipts import ReconcileWaits
 from gateway.store.base import Admitted, Call, Outcome, ReceiptQuery, Refused, Rejection, Replayed
 
 RETRY = frozenset({408, 425, 429, 503})
+NO_WAIT = ReconcileWaits({}, default=0)  # every receipt is past its grace at once
 
 
 def call(fence: int, *, resource: str = "acct/1", key: str = "k1", fp: str = "sha256:a",
@@ -30,7 +32,7 @@ class TestExternalFences:
         assert isinstance(await store.admit(call(5, key="b")), Admitted)  # equal is fine
         stale = await store.admit(call(4, key="c"))
         assert isinstance(stale, Refused) and stale.code == "stale_fence"
-        receipt = await store.get_receipt(stale.receipt_id)
+        receipt = (await store.get_receipt(stale.receipt_id)).to_json()
         assert {k: receipt[k] for k in ("status", "reject_code", "fence", "idempotency_key",
                                         "fingerprint", "attempt", "http_status")} == {
             "status": "rejected", "reject_code": "stale_fence", "fence": 4,
@@ -71,7 +73,7 @@ class TestIdempotency:
         reused = await store.admit(call(1, fp="sha256:b"))
         assert reused.code == "idempotency_key_reused"
         rejected = await store.get_receipt(reused.receipt_id)
-        assert (rejected["idempotency_key"], rejected["fingerprint"]) == ("k1", "sha256:b")
+        assert (rejected.idempotency_key, rejected.fingerprint) == ("k1", "sha256:b")
 
     async def test_simultaneous_identical_calls_admit_once(self, store) -> None:
         results = await asyncio.gather(*(store.admit(call(1)) for _ in range(20)))
@@ -96,30 +98,30 @@ class TestIdempotency:
 class TestOutcomes:
     async def test_late_outcome_after_unknown(self, store) -> None:
         admitted = await store.admit(call(1))
-        assert await store.expire_pending({}, 0, 60, frozenset()) == {"tool": 1}
+        assert await store.expire_pending(NO_WAIT, 60, frozenset()) == {"tool": 1}
         assert await store.complete(admitted.receipt_id, ok()) == "late"
         receipt = await store.get_receipt(admitted.receipt_id)
-        assert (receipt["status"], receipt["late"]) == ("succeeded", True)
+        assert (receipt.status, receipt.late) == ("succeeded", True)
 
     async def test_late_outcome_after_reconciliation_is_kept_as_error(self, store) -> None:
         admitted = await store.admit(call(1))
-        await store.expire_pending({}, 0, 60, frozenset())
+        await store.expire_pending(NO_WAIT, 60, frozenset())
         resolved = await store.resolve(admitted.receipt_id, "not_applied", "operator:a", None,
-                                       {}, 0)
-        assert resolved["status"] == "reconciled"
+                                       NO_WAIT)
+        assert resolved.status == "reconciled"
         assert await store.complete(admitted.receipt_id, ok()) == "late_outcome"
         receipt = await store.get_receipt(admitted.receipt_id)
-        assert (receipt["status"], receipt["error"]) == ("reconciled", "late_outcome")
+        assert (receipt.status, receipt.error) == ("reconciled", "late_outcome")
 
     async def test_in_flight_receipts_are_not_lost(self, store) -> None:
         admitted = await store.admit(call(1))
-        assert await store.expire_pending({}, 0, 60, frozenset({admitted.receipt_id})) == {}
+        assert await store.expire_pending(NO_WAIT, 60, frozenset({admitted.receipt_id})) == {}
 
     async def test_reject_keeps_a_receipt(self, store) -> None:
         receipt_id = await store.reject(Rejection("acct/1", 3, "run-a", None, "tool", "PUT",
                                                   "/y", "body_too_large", 413))
         receipt = await store.get_receipt(receipt_id)
-        assert (receipt["status"], receipt["reject_code"], receipt["owner"]) == (
+        assert (receipt.status, receipt.reject_code, receipt.owner) == (
             "rejected", "body_too_large", "run-a")
 
 
@@ -127,20 +129,20 @@ class TestLeases:
     """Acquire is a compare-and-swap; fences grow by one per ownership change."""
 
     async def test_acquire_renew_release(self, store) -> None:
-        result, lease, _ = await store.acquire("r/1", "a", 30, 0, None, None)
-        assert (result, lease["fence"], lease["state"]) == ("acquired", 1, "held")
-        held, current, _ = await store.acquire("r/1", "a", 30, 0, None, None)
-        assert (held, current["owner"]) == ("held", "a")
-        assert (await store.renew("r/1", "a", 1, 60))["fence"] == 1
+        taken = await store.acquire("r/1", "a", 30, 0, None, None)
+        assert (taken.result, taken.lease.fence, taken.lease.state) == ("acquired", 1, "held")
+        again = await store.acquire("r/1", "a", 30, 0, None, None)
+        assert (again.result, again.lease.owner) == ("held", "a")
+        assert (await store.renew("r/1", "a", 1, 60)).fence == 1
         assert await store.renew("r/1", "a", 2, 60) is None
-        assert (await store.release("r/1", "a", 1))[0] is True
-        _, second, _ = await store.acquire("r/1", "b", 30, 0, None, None)
-        assert second["fence"] == 2
+        assert (await store.release("r/1", "a", 1)).ok is True
+        second = await store.acquire("r/1", "b", 30, 0, None, None)
+        assert second.lease.fence == 2
 
     async def test_concurrent_acquires_give_one_owner(self, store) -> None:
         results = await asyncio.gather(*(store.acquire("r/1", f"w{i}", 30, 0, None, None)
                                          for i in range(30)))
-        assert [r[0] for r in results].count("acquired") == 1
+        assert [r.result for r in results].count("acquired") == 1
 
     async def test_gateway_issuer_checks(self, store) -> None:
         await store.acquire("r/1", "a", 30, 0, None, None)
@@ -154,8 +156,8 @@ class TestLeases:
 
     async def test_fence_outlives_accepted_external_tokens(self, store) -> None:
         await store.admit(call(41, resource="r/2"))
-        _, lease, _ = await store.acquire("r/2", "a", 30, 0, None, None)
-        assert lease["fence"] == 42
+        taken = await store.acquire("r/2", "a", 30, 0, None, None)
+        assert taken.lease.fence == 42
 
 
 class TestListing:
@@ -163,10 +165,10 @@ class TestListing:
         for fence in range(1, 31):
             await store.admit(call(fence, key=f"k{fence}", resource=f"a/{fence % 3}"))
         everything = await store.list_receipts(ReceiptQuery(limit=1000))
-        assert [r["fence"] for r in everything] == list(range(1, 31))
+        assert [r.fence for r in everything] == list(range(1, 31))
         page = await store.list_receipts(ReceiptQuery(resource="a/1", fence_min=10, limit=3,
-                                                      after_id=everything[9]["id"]))
-        assert [r["fence"] for r in page] == [13, 16, 19]
+                                                      after_id=everything[9].id))
+        assert [r.fence for r in page] == [13, 16, 19]
 
 
 class TestRetention:
@@ -176,11 +178,11 @@ class TestRetention:
         settled = await store.admit(call(1, key="settled"))
         await store.complete(settled.receipt_id, ok())
         unknown = await store.admit(call(1, key="unknown"))
-        await store.expire_pending({}, 0, 60, frozenset())
+        await store.expire_pending(NO_WAIT, 60, frozenset())
         rejected = await store.admit(call(1, key="settled", fp="sha256:other"))
         # every receipt is older than a retention of 0 s; the settled key's retention is 60 s
         await asyncio.sleep(0.01)
         assert await store.prune(0) == 1  # only the rejected one: the others hold keys
         assert await store.get_receipt(rejected.receipt_id) is None
         assert await store.get_receipt(settled.receipt_id) is not None
-        assert (await store.get_receipt(unknown.receipt_id))["status"] == "outcome_unknown"
+        assert (await store.get_receipt(unknown.receipt_id)).status == "outcome_unknown"

@@ -27,7 +27,7 @@ class TestSingleProcess:
         second = SqliteStore(tmp_path / "gw.db", instance="two")
         await second.open()
         try:
-            assert (await second.get_receipt(admitted.receipt_id))["status"] == \
+            assert (await second.get_receipt(admitted.receipt_id)).status == \
                 "outcome_unknown"
             assert (await second.admit(call(2, key="late"))).code == "stale_fence"
         finally:

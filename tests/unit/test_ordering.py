@@ -12,9 +12,9 @@ class TestTakeover:
         lanes, events = Lanes(), []
 
         async def call(fence: int, hold: float) -> None:
-            async with lanes.lane("r") as lane:
-                lane.register(fence)
-                assert await lane.wait_for(lane.older(), 5)
+            async with lanes.join("r") as place:
+                place.register(fence)
+                assert await place.wait_for(place.older(), 5)
                 events.append(("start", fence))
                 await asyncio.sleep(hold)
                 events.append(("end", fence))
@@ -28,14 +28,14 @@ class TestTakeover:
 
     async def test_equal_fences_run_together(self) -> None:
         lanes = Lanes()
-        async with lanes.lane("r") as a, lanes.lane("r") as b:
+        async with lanes.join("r") as a, lanes.join("r") as b:
             a.register(3)
             b.register(3)
             assert await b.wait_for(b.older(), 0.01)
 
     async def test_timeout(self) -> None:
         lanes = Lanes()
-        async with lanes.lane("r") as old, lanes.lane("r") as new:
+        async with lanes.join("r") as old, lanes.join("r") as new:
             old.register(1)
             new.register(2)
             assert not await new.wait_for(new.older(), 0.02)
@@ -45,12 +45,12 @@ class TestTakeover:
         """They can only be refused as stale: a fenced-out owner sending in a loop must not
         keep the new owner out."""
         lanes = Lanes()
-        async with lanes.lane("r") as old, lanes.lane("r") as new:
+        async with lanes.join("r") as old, lanes.join("r") as new:
             old.register(1)
             new.register(2)
             older = new.older()
             old.leave()
-            async with lanes.lane("r") as stale:
+            async with lanes.join("r") as stale:
                 stale.register(1)  # arrives after the new owner's admission
                 assert await new.wait_for(older, 0.01)
 
@@ -62,8 +62,8 @@ class TestSerial:
         lanes, order, running = Lanes(), [], []
 
         async def call(i: int) -> None:
-            async with lanes.lane("r") as lane:
-                assert await lane.take_turn(5)
+            async with lanes.join("r") as place:
+                assert await place.take_turn(5)
                 running.append(i)
                 assert len(running) == 1
                 order.append(i)
@@ -75,6 +75,6 @@ class TestSerial:
 
     async def test_turn_timeout(self) -> None:
         lanes = Lanes()
-        async with lanes.lane("r") as first, lanes.lane("r") as second:
+        async with lanes.join("r") as first, lanes.join("r") as second:
             assert await first.take_turn(1)
             assert not await second.take_turn(0.02)

@@ -1,0 +1,48 @@
+"""The flow: one request's way through the gateway, as one object.
+
+A flow is made when a request is routed and filled in as the call path learns: the client,
+the resource and fence it presented, the rule that governs it, what admission decided, the
+receipt that records it, and the status the tool answered. Proxied calls and the sweeper's
+cleanup calls travel the same steps as flows (`gateway.proxy.forward`); the server edge reads
+the flow for the problem document, the metrics and the log line, so no step keeps facts of
+its own on the side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config.policy import ResourceRule, Upstream
+from gateway.store.base import Call, Rejection
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    request_id: str
+    upstream: Upstream | None = None
+    method: str = ""
+    rest: str = ""                # after the mount, with the query: what the tool is sent
+    request_target: str = ""              # path and query as received: part of the fingerprint
+    client: str | None = None
+    resource: str | None = None   # as presented, once readable
+    fence: int | None = None      # as presented, once readable
+    owner: str | None = None      # X-Lease-Owner as presented
+    rule: ResourceRule | None = None
+    call: Call | None = None      # what admission was asked
+    receipt_id: str | None = None
+    status: int | None = None     # what the tool answered
+    replayed: bool = False        # answered from a stored answer
+
+    def rejection(self, code: str, http_status: int) -> Rejection | None:
+        """The `rejected` receipt of a refusal before admission: kept only once resource and
+        fence are readable (docs/contract.md §3, "Rejected receipts")."""
+        if self.resource is None or self.fence is None or self.upstream is None:
+            return None
+        return Rejection(resource=self.resource, fence=self.fence, owner=self.owner,
+                         client=self.client, upstream=self.upstream.name, method=self.method,
+                         path=self.rest, code=code, http_status=http_status)
+
+    def log_fields(self) -> dict[str, object]:
+        return {"upstream": self.upstream.name if self.upstream else None,
+                "client": self.client, "resource": self.resource, "fence": self.fence,
+                "receipt_id": self.receipt_id, "status": self.status}

@@ -1,0 +1,144 @@
+"""The one path of an admitted call: take a turn, admit, wait for older fences, send once,
+record the outcome before anything goes back (docs/contract.md §3, steps 3c to 6, "Ordering
+on takeover", "Outcome").
+
+Proxied calls and the sweeper's cleanup calls both come this way; what differs is only who
+hears the answer. `forward` ends at the recorded outcome and hands over the exchange: the
+proxy streams it back to its client, a cleanup reads its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config.policy import ResourceRule
+from gateway.core import errors
+from gateway.core.outcomes import Completion, Outcome
+from gateway.observe import logs
+from gateway.proxy import appkeys, headers
+from gateway.proxy.flow import Flow
+from gateway.proxy.ordering import Place, clear_to_forward
+from gateway.proxy.relay import Head, admitted_headers, read_head, upstream_headers
+from gateway.proxy.upstream import UpstreamFailure
+from gateway.store.base import Admitted, Call, Refused, Replayed
+
+# Client headers never passed on for a fenced call: the gateway sets its own key header.
+_FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(),
+                          headers.REQUEST_ID_HEADER.lower()})
+
+_BLOCKED_DETAIL = {
+    "resource_busy": "older calls of {resource!r} stayed in flight for {timeout}s",
+    "store_unavailable": "the store failed before the call could be sent; it was not sent",
+}
+
+
+async def take_turn(rule: ResourceRule, resource: str, place: Place) -> None:
+    """With `concurrency: serial`, wait for this call's turn (step 3c)."""
+    if rule.concurrency == "serial" and not await place.take_turn(rule.queue_timeout_s):
+        raise errors.ResourceBusy(f"{resource!r} stayed busy for {rule.queue_timeout_s}s",
+                                  retry_after=1)
+
+
+async def admit(app: web.Application, call: Call, place: Place) -> Admitted | Replayed | Refused:
+    """Steps 4 to 6 in one durable store transaction. The fence is registered in the place
+    first: whichever of two calls is admitted first, the later one waits for it or is
+    refused as stale."""
+    place.register(call.fence)
+    started = time.perf_counter()
+    result = await app[appkeys.STORE].admit(call)
+    app[appkeys.METRICS].admission.observe(time.perf_counter() - started)
+    return result
+
+
+@dataclass(slots=True)
+class Exchange:
+    """A forwarded call, its outcome recorded (or not: `recorded` False).
+
+    The tool answered: `head` (status, headers, first bytes) and `answer`, the open response
+    to read the rest from by `deadline`. It did not: `error`, what the caller is told.
+    """
+
+    outcome: Outcome
+    recorded: bool
+    deadline: float
+    head: Head | None = None
+    answer: aiohttp.ClientResponse | None = None
+    error: errors.GatewayError | None = None
+
+
+@asynccontextmanager
+async def forward(app: web.Application, flow: Flow, call: Call, place: Place,
+                  body: bytes | None, client: web.Request | None) -> AsyncIterator[Exchange]:
+    """From a durable `pending` receipt to a recorded outcome.
+
+    `client` is the request being proxied (its headers go on, X-Forwarded-* are set), None
+    for a call the gateway makes itself. The receipt counts as in flight here until the
+    exchange closes, so the sweeper never takes it for lost.
+    """
+    rule, upstream, receipt_id = flow.rule, flow.upstream, flow.receipt_id
+    if rule is None or upstream is None or receipt_id is None:
+        raise ValueError("forward needs an admitted flow")
+    store, metrics, failpoints = app[appkeys.STORE], app[appkeys.METRICS], app[appkeys.FAILPOINTS]
+    in_flight = app[appkeys.IN_FLIGHT]
+    in_flight.add(receipt_id)
+    loop = asyncio.get_running_loop()
+    try:
+        failpoints.crash_at("after_admit")
+        blocked = await clear_to_forward(place, rule.queue_timeout_s, store, receipt_id)
+        if blocked is not None:
+            outcome = Outcome("not_sent", error=blocked)
+            error = errors.from_code(blocked, _BLOCKED_DETAIL[blocked].format(
+                resource=call.resource, timeout=rule.queue_timeout_s), retry_after=1)
+            yield Exchange(outcome, await record(app, receipt_id, outcome), loop.time(),
+                           error=error)
+            return
+        sent = upstream_headers(client, upstream, _FENCED_DROP, admitted_headers(
+            rule, call.resource, call.fence, call.idempotency_key, receipt_id, flow.request_id),
+            app[appkeys.SETTINGS].trusted_networks)
+        deadline = loop.time() + upstream.timeout_s
+        forwarded_at = time.time()
+        try:
+            answer = await app[appkeys.UPSTREAMS].send(upstream, call.method, flow.rest, sent,
+                                                       body, deadline)
+        except UpstreamFailure as failure:
+            metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+            failpoints.crash_at("after_upstream")
+            outcome = failure.as_outcome(forwarded_at)
+            if outcome.status == "outcome_unknown":
+                metrics.outcome_unknown.labels(upstream.name).inc()
+            yield Exchange(outcome, await record(app, receipt_id, outcome), deadline,
+                           error=failure.error)
+            return
+        async with answer:
+            head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
+            metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+            failpoints.crash_at("after_upstream")
+            outcome = head.outcome(forwarded_at)
+            flow.status = head.status
+            yield Exchange(outcome, await record(app, receipt_id, outcome), deadline,
+                           head=head, answer=answer)
+    finally:
+        in_flight.discard(receipt_id)
+
+
+async def record(app: web.Application, receipt_id: str, outcome: Outcome) -> bool:
+    """Write the outcome before the answer goes back; False when the store would not."""
+    if app[appkeys.FAILPOINTS].fails("after_upstream"):
+        return False
+    try:
+        completion = await app[appkeys.STORE].complete(receipt_id, outcome)
+    except errors.StoreUnavailable as exc:
+        logs.event("outcome_unrecorded", logging.ERROR, receipt_id=receipt_id, error=str(exc))
+        return False
+    if completion is Completion.LATE_OUTCOME:
+        logs.event("late_outcome", logging.ERROR, receipt_id=receipt_id,
+                   detail="an outcome arrived for a receipt already reconciled")
+    return True
