@@ -9,7 +9,7 @@
             await lease.post("/browser/sessions/7/type", json={"text": "hi"})
     # LeaseHeld: the acquire gave up after acquire_timeout_s of polite retries.
     # LeaseLost: renewal failed or the local deadline passed; raised before any byte is sent.
-    # GatewayError: any other problem+json the gateway answered (code = SPEC section 5 code).
+    # GatewayError: any other problem+json the gateway answered (code = docs/contract.md §5 code).
 
 Errors (only aiohttp's own transport errors escape untranslated):
 
@@ -74,7 +74,7 @@ class LeaseLost(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class LeaseInfo:
-    """A lease record as the gateway returned it (SPEC section 6)."""
+    """A lease record as the gateway returned it (docs/contract.md §6)."""
 
     resource: str
     owner: str
@@ -168,7 +168,7 @@ class GatewayClient:
 
     Pass `session` to share your own (it is then not closed here). `key` goes out as
     `Authorization: Bearer` on /_gateway/v1 calls and `Proxy-Authorization: Bearer` on
-    proxied ones, as SPEC section 10 asks.
+    proxied ones, as docs/contract.md §10 asks.
 
     A session made here never resends a request by itself. A session you pass should be set
     the same way, `session._retry_connection = False`: otherwise aiohttp silently sends a PUT

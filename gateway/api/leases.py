@@ -1,4 +1,4 @@
-"""The lease API (SPEC 6): the gateway as the issuer of leases and their fences.
+"""The lease API (docs/contract.md §6): the gateway as the issuer of leases and their fences.
 
 Each handler validates everything it is given (problem+json `400` for any bad input), looks
 up the resource's lease settings (the first rule with a `gateway` issuer that covers it, else

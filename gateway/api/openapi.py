@@ -1,6 +1,7 @@
-"""`GET /_gateway/v1/openapi.json`: the OpenAPI 3.1 description of /_gateway/v1 (SPEC 10).
+"""`GET /_gateway/v1/openapi.json`: the OpenAPI 3.1 description of /_gateway/v1
+(docs/contract.md §10).
 
-Written out by hand from the SPEC rather than generated: the API is small and the document is
+Written out by hand from the contract rather than generated: the API is small and the document is
 the contract reconciler authors read. A test checks that every route the app serves under
 /_gateway/v1 is described here, and nothing more.
 """

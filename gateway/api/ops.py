@@ -1,4 +1,4 @@
-"""Health, readiness and metrics (SPEC 10)."""
+"""Health, readiness and metrics (docs/contract.md §10)."""
 
 from __future__ import annotations
 

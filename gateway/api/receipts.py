@@ -1,4 +1,4 @@
-"""The receipt API (SPEC 7): what reconcilers read, and how they resolve lost outcomes.
+"""The receipt API (docs/contract.md §7): what reconcilers read, and how they resolve lost outcomes.
 
 Reading is plain store queries. Resolving and probing are in `gateway.probe`; this module
 only checks the request and shapes the answer.

@@ -1,4 +1,6 @@
-"""The command line (SPEC 12). Bad arguments or configuration: one line on stderr, exit 2."""
+"""The command line (docs/contract.md §12).
+
+Bad arguments or configuration: one line on stderr, exit 2."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`leases list` and `receipts list|show|resolve`: an operator's view of a running gateway.
 
-These commands only talk to the gateway's API (`/_gateway/v1`, SPEC 6 and 7), never to its
-database, so they work the same against any replica and any store.
+These commands only talk to the gateway's API (`/_gateway/v1`, docs/contract.md §6 and §7),
+never to its database, so they work the same against any replica and any store.
 
 Why the standard library's `urllib` and not aiohttp: a command makes one request (or a few,
 following cursors), prints, and exits. A blocking client needs no event loop, starts faster,

@@ -1,4 +1,4 @@
-"""The policy schema (SPEC section 8), validated once at start into frozen typed values.
+"""The policy schema (docs/contract.md §8), validated once at start into frozen typed values.
 
 Request code sees only these models: a bad value is found by `check-policies` or at start,
 never on the first request.
@@ -159,7 +159,8 @@ _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
 
 class CallTemplate(_Model):
-    """A call the gateway makes itself (`on_expiry`, `probe`), with SPEC 8 placeholders."""
+    """A call the gateway makes itself (`on_expiry`, `probe`), with the placeholders of
+    docs/contract.md §8."""
 
     method: HttpMethod
     path: str = Field(pattern=r"^/")
@@ -175,7 +176,7 @@ class CallTemplate(_Model):
 
     def render(self, resource: str, fence: int, idempotency_key: str,
                receipt_id: str | None = None) -> str:
-        """The path with SPEC 8's placeholders filled in.
+        """The path with docs/contract.md §8's placeholders filled in.
 
         `{resource}` and `{idempotency_key}` are percent-encoded whole (a resource has '/',
         a client's key may hold '/', '?', '#' or '%'). `{receipt_id}` stays literal while

@@ -1,4 +1,4 @@
-"""Process settings, read from `GATEWAY_*` environment variables or `.env` (SPEC section 11).
+"""Process settings, read from `GATEWAY_*` environment variables or `.env` (docs/contract.md §11).
 
 Only this module and `cli` read the environment; everything else receives a `Settings`.
 """

@@ -1,4 +1,4 @@
-"""Every error the gateway answers with, one class per SPEC section 5 code.
+"""Every error the gateway answers with, one class per docs/contract.md §5 code.
 
     GatewayError                      status, code, title; rendered as problem+json by middleware
     ├── InvalidRequest                400 invalid_request

@@ -1,4 +1,4 @@
-"""Logging set-up: text for people, one JSON object per line for machines (SPEC 10).
+"""Logging set-up: text for people, one JSON object per line for machines (docs/contract.md §10).
 
 Events are logged with `extra={"fields": {...}}`; the JSON formatter puts those fields at the
 top level. Nothing here ever sees keys, injected credentials or bodies: callers pass none.

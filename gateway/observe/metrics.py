@@ -1,4 +1,6 @@
-"""Prometheus collectors (SPEC 10), named once. No label ever carries a raw resource key."""
+"""Prometheus collectors (docs/contract.md §10), named once.
+
+No label ever carries a raw resource key."""
 
 from __future__ import annotations
 

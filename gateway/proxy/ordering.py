@@ -1,4 +1,5 @@
-"""Per-resource ordering of fenced calls inside one gateway process (SPEC 3, "Ordering").
+"""Per-resource ordering of fenced calls inside one gateway process (docs/contract.md §3,
+"Ordering on takeover").
 
 Two rules:
 * takeover: an admitted call waits, before it is forwarded, until the calls of the same

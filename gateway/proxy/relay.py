@@ -16,6 +16,7 @@ from multidict import CIMultiDict
 
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors
+from gateway.core.outcomes import Outcome, outcome_of_answer
 from gateway.proxy.headers import (
     FENCE_HEADER,
     GATEWAY_OWNED,
@@ -26,7 +27,6 @@ from gateway.proxy.headers import (
     connection_named,
     strip,
 )
-from gateway.store.base import Outcome
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -64,7 +64,8 @@ def upstream_headers(request: web.Request | None, upstream: Upstream, drop: froz
                      gateway_set: dict[str, str],
                      trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
                      ) -> CIMultiDict[str]:
-    """The headers the tool receives (SPEC 3, "Forwarded upstream"), in the SPEC's order.
+    """The headers the tool receives (docs/contract.md §3, "Forwarded upstream"), in the
+    contract's order.
 
     `request` is None for the calls the gateway makes itself (sweeper cleanups, probes):
     no client headers, no X-Forwarded-*.
@@ -115,8 +116,8 @@ class Head:
     broken: bool     # the body broke while the prefix was read
 
     def outcome(self, forwarded_at: float) -> Outcome:
-        """SPEC 3's outcome of an answer; a complete one is kept for replay whole."""
-        return Outcome("succeeded" if 200 <= self.status < 300 else "failed",
+        """docs/contract.md §3's outcome of an answer; a complete one is kept for replay whole."""
+        return Outcome(outcome_of_answer(self.status),
                        http_status=self.status, forwarded_at=forwarded_at,
                        response=(self.headers, self.prefix) if self.complete else None,
                        error="response_incomplete" if self.broken else None)

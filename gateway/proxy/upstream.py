@@ -1,8 +1,9 @@
 """Sending one call to an upstream, at most once, and naming what became of it.
 
 One `ClientSession` per upstream (its own connection pool and limits). Transport errors are
-mapped to SPEC 3's outcomes by whether a connection was in hand when they happened: before
-it, nothing was sent (`not_sent`); after it, the tool may have acted (`outcome_unknown`).
+mapped to the outcomes of docs/contract.md §3 by whether a connection was in hand when they
+happened: before it, nothing was sent (`not_sent`); after it, the tool may have acted
+(`outcome_unknown`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from yarl import URL
 
 from gateway.config.policy import Upstream
 from gateway.core import errors
-from gateway.store.base import Outcome
+from gateway.core.outcomes import Outcome
 
 # aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")

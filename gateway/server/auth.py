@@ -30,7 +30,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Name the client of every call and check its role for the path (SPEC 3 step 1)."""
+    """Name the client of every call and check its role for the path (docs/contract.md §3,
+    step 1)."""
     clients = request.app[appkeys.CLIENTS]
     path = request.path
     if clients is None or path in OPEN_PATHS:

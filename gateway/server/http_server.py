@@ -1,4 +1,4 @@
-"""The edges of the HTTP server that aiohttp does not expose as settings (SPEC 5):
+"""The edges of the HTTP server that aiohttp does not expose as settings (docs/contract.md §5):
 
 * a connection that sends no complete request head within `GATEWAY_HEADER_TIMEOUT_S` is
   closed (aiohttp only has an idle keep-alive timeout, which a slow head resets);

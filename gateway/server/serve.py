@@ -1,4 +1,4 @@
-"""Running the gateway: bind, serve, and on SIGTERM drain and exit 0 (SPEC 9)."""
+"""Running the gateway: bind, serve, and on SIGTERM drain and exit 0 (docs/contract.md §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The background upkeep of SPEC 9, one pass every `GATEWAY_SWEEP_INTERVAL_S`:
+"""The background upkeep of docs/contract.md §9, one pass every `GATEWAY_SWEEP_INTERVAL_S`:
 
 * refresh this instance's heartbeat;
 * mark expired leases `expired` (and record how long they were held), scheduling the rule's
