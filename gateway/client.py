@@ -45,15 +45,22 @@ API = "/_gateway/v1"
 RENEW_FRACTION = 1 / 3  # renew at about a third of the TTL: two more chances before expiry
 RENEW_JITTER = 0.15  # ± this fraction, so thousands of workers do not renew together
 # Gateway answers to a fenced call that mean this lease can no longer act.
-LOST_CODES = frozenset({"stale_fence", "lease_expired", "owner_mismatch", "not_lease_holder",
-                        "lease_lost"})
+LOST_CODES = frozenset(
+    {"stale_fence", "lease_expired", "owner_mismatch", "not_lease_holder", "lease_lost"}
+)
 
 
 class GatewayError(Exception):
     """A problem+json answer of the gateway, or a refusal raised locally (status None)."""
 
-    def __init__(self, status: int | None, code: str, detail: str,
-                 problem: dict[str, Any] | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int | None,
+        code: str,
+        detail: str,
+        problem: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(f"{code}: {detail}" if status is None else f"{status} {code}: {detail}")
         self.status, self.code, self.detail = status, code, detail
         self.problem: dict[str, Any] = problem or {}
@@ -87,10 +94,15 @@ class LeaseInfo:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> LeaseInfo:
         renewed = doc.get("renewed_at")
-        return cls(resource=doc["resource"], owner=doc["owner"], fence=int(doc["fence"]),
-                   state=doc["state"], acquired_at=datetime.fromisoformat(doc["acquired_at"]),
-                   renewed_at=datetime.fromisoformat(renewed) if renewed else None,
-                   expires_at=datetime.fromisoformat(doc["expires_at"]))
+        return cls(
+            resource=doc["resource"],
+            owner=doc["owner"],
+            fence=int(doc["fence"]),
+            state=doc["state"],
+            acquired_at=datetime.fromisoformat(doc["acquired_at"]),
+            renewed_at=datetime.fromisoformat(renewed) if renewed else None,
+            expires_at=datetime.fromisoformat(doc["expires_at"]),
+        )
 
     @property
     def ttl_s(self) -> float:
@@ -176,8 +188,9 @@ class GatewayClient:
     second copy of a fenced call is a new attempt the gateway may forward again.
     """
 
-    def __init__(self, base_url: str, key: str | None = None,
-                 session: aiohttp.ClientSession | None = None) -> None:
+    def __init__(
+        self, base_url: str, key: str | None = None, session: aiohttp.ClientSession | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._key = key
         self._own_session = session is None
@@ -200,28 +213,53 @@ class GatewayClient:
         if self._own_session:
             await self.session.close()
 
-    def lease(self, resource: str, owner: str, ttl_s: float | None = None, *,
-              acquire_timeout_s: float = 30.0, auto_renew: bool = True) -> Lease:
+    def lease(
+        self,
+        resource: str,
+        owner: str,
+        ttl_s: float | None = None,
+        *,
+        acquire_timeout_s: float = 30.0,
+        auto_renew: bool = True,
+    ) -> Lease:
         """A lease to use as `async with`; `ttl_s=None` takes the rule's default."""
         return Lease(self, resource, owner, ttl_s, acquire_timeout_s, auto_renew)
 
-    async def api(self, method: str, path: str, *, json_body: Any = None,
-                  params: dict[str, str] | None = None, headers: dict[str, str] | None = None,
-                  timeout_s: float | None = 10.0) -> Any:
+    async def api(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = 10.0,
+    ) -> Any:
         """Call /_gateway/v1{path}; the decoded JSON answer (None for 204), or GatewayError."""
         hdrs = dict(headers or {})
         if self._key:
             hdrs["Authorization"] = f"Bearer {self._key}"
         async with self.session.request(
-                method, f"{self.base_url}{API}{path}", json=json_body, params=params,
-                headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            method,
+            f"{self.base_url}{API}{path}",
+            json=json_body,
+            params=params,
+            headers=hdrs,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
             body = await resp.read()
             if resp.status >= 400:
                 raise _error_from(resp.status, resp.headers, body)
             return json.loads(body) if body else None
 
-    async def acquire(self, resource: str, owner: str, ttl_s: float | None = None, *,
-                      idempotency_key: str | None = None) -> LeaseInfo:
+    async def acquire(
+        self,
+        resource: str,
+        owner: str,
+        ttl_s: float | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> LeaseInfo:
         """One acquire attempt (no retries); LeaseHeld when someone holds it."""
         body: dict[str, Any] = {"owner": owner}
         if ttl_s is not None:
@@ -230,8 +268,15 @@ class GatewayClient:
         doc = await self.api("POST", _lease_path(resource), json_body=body, headers=hdrs)
         return LeaseInfo.from_json(doc)
 
-    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float | None = None,
-                    *, timeout_s: float | None = 10.0) -> LeaseInfo:
+    async def renew(
+        self,
+        resource: str,
+        owner: str,
+        fence: int,
+        ttl_s: float | None = None,
+        *,
+        timeout_s: float | None = 10.0,
+    ) -> LeaseInfo:
         """One renewal; LeaseLost (409 lease_lost) when the lease is no longer this holder's."""
         body: dict[str, Any] = {"owner": owner, "fence": fence}
         if ttl_s is not None:
@@ -240,8 +285,9 @@ class GatewayClient:
         return LeaseInfo.from_json(doc)
 
     async def release(self, resource: str, owner: str, fence: int) -> None:
-        await self.api("DELETE", _lease_path(resource),
-                       params={"owner": owner, "fence": str(fence)})
+        await self.api(
+            "DELETE", _lease_path(resource), params={"owner": owner, "fence": str(fence)}
+        )
 
     async def get_lease(self, resource: str) -> LeaseInfo:
         return LeaseInfo.from_json(await self.api("GET", _lease_path(resource)))
@@ -251,8 +297,9 @@ class GatewayClient:
         headers = dict(kwargs.pop("headers", None) or {})
         if self._key:
             headers["Proxy-Authorization"] = f"Bearer {self._key}"
-        async with self.session.request(method, f"{self.base_url}{path}", headers=headers,
-                                        **kwargs) as resp:
+        async with self.session.request(
+            method, f"{self.base_url}{path}", headers=headers, **kwargs
+        ) as resp:
             body = await resp.read()
             if resp.status >= 400 and _is_gateway_problem(resp.headers, body):
                 raise _error_from(resp.status, resp.headers, body)
@@ -266,8 +313,15 @@ def _lease_path(resource: str) -> str:
 class Lease:
     """Ownership of one resource: acquire on enter, renew in the background, release on exit."""
 
-    def __init__(self, client: GatewayClient, resource: str, owner: str, ttl_s: float | None,
-                 acquire_timeout_s: float, auto_renew: bool) -> None:
+    def __init__(
+        self,
+        client: GatewayClient,
+        resource: str,
+        owner: str,
+        ttl_s: float | None,
+        acquire_timeout_s: float,
+        auto_renew: bool,
+    ) -> None:
         self._client, self.resource, self.owner = client, resource, owner
         self._ttl_s, self._auto_renew = ttl_s, auto_renew
         self._acquire_timeout_s = acquire_timeout_s
@@ -293,8 +347,11 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        if self._lost_reason is None and self._info is not None \
-                and time.monotonic() >= self._deadline:
+        if (
+            self._lost_reason is None
+            and self._info is not None
+            and time.monotonic() >= self._deadline
+        ):
             self._lost_reason = "expired: no successful renewal within the TTL"
         return self._lost_reason is not None
 
@@ -316,8 +373,12 @@ class Lease:
         await self.acquire()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.release()
 
     async def acquire(self) -> None:
@@ -332,8 +393,9 @@ class Lease:
             if first_sent is None:  # a retried key's lease dates from that key's first send
                 first_sent = time.monotonic()
             try:
-                info = await self._client.acquire(self.resource, self.owner, self._ttl_s,
-                                                  idempotency_key=key)
+                info = await self._client.acquire(
+                    self.resource, self.owner, self._ttl_s, idempotency_key=key
+                )
                 break
             except LeaseHeld as exc:
                 failure: Exception = exc
@@ -343,23 +405,27 @@ class Lease:
                 if isinstance(exc, GatewayError) and (exc.status or 0) < 500:
                     raise  # a refusal (bad ttl, resource not allowed): retrying cannot help
                 failure, failures = exc, failures + 1
-                wait = min(0.1 * 2 ** failures, 2.0) * random.uniform(0.5, 1.0)
+                wait = min(0.1 * 2**failures, 2.0) * random.uniform(0.5, 1.0)
             remaining = give_up - time.monotonic()
             if remaining <= 0:
                 raise failure
             await asyncio.sleep(min(wait, remaining))
         self._info, self._deadline, self._lost_reason = info, first_sent + info.ttl_s, None
         if self._auto_renew:
-            self._renewer = asyncio.create_task(self._renew_loop(),
-                                                name=f"renew {self.resource}")
+            self._renewer = asyncio.create_task(self._renew_loop(), name=f"renew {self.resource}")
 
     async def renew(self) -> None:
         """Renew once; a 4xx answer (lease_lost) or a missed local deadline marks it lost."""
         self.check()
         sent = time.monotonic()
         try:
-            info = await self._client.renew(self.resource, self.owner, self.fence, self._ttl_s,
-                                            timeout_s=max(self._deadline - sent, 0.001))
+            info = await self._client.renew(
+                self.resource,
+                self.owner,
+                self.fence,
+                self._ttl_s,
+                timeout_s=max(self._deadline - sent, 0.001),
+            )
         except GatewayError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 self._lost_reason, self._gone_on_server = f"renewal refused: {exc.code}", True

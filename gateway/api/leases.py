@@ -36,28 +36,33 @@ async def acquire(request: web.Request) -> web.Response:
     body = await params.json_body(request, {"owner": str, "ttl_s": _NUMBER}, ("owner",))
     owner = _owner(body["owner"])
     if owner.startswith(SWEEPER_OWNER_PREFIX):
-        raise errors.InvalidRequest(f"owner names starting with {SWEEPER_OWNER_PREFIX!r} "
-                                    "belong to the gateway's sweeper")
+        raise errors.InvalidRequest(
+            f"owner names starting with {SWEEPER_OWNER_PREFIX!r} belong to the gateway's sweeper"
+        )
     ttl_s = _ttl(body, rule)
     app = request.app
     metrics = app[appkeys.METRICS]
     taken = await app[appkeys.STORE].acquire(
-        resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request),
-        acquire_key=key)
+        resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request), acquire_key=key
+    )
     lease = taken.lease
     if taken.held_seconds is not None:  # took over an expired lease not yet marked expired
         metrics.held.observe(max(0.0, taken.held_seconds))
     if taken.result == "held":
         metrics.acquisitions.labels("conflict").inc()
         free_at = lease.expires_at + rule.lease.lock_delay_s
-        why = (f"its lease expired, and its lock delay of {rule.lease.lock_delay_s}s has not"
-               if lease.state != "held" else "it is held until its lease expires or is "
-               "released")
+        why = (
+            f"its lease expired, and its lock delay of {rule.lease.lock_delay_s}s has not"
+            if lease.state != "held"
+            else "it is held until its lease expires or is released"
+        )
         raise errors.LeaseHeld(
             f"{resource!r} cannot be taken yet: {why} (also for its own owner name: only a "
             "retry with the same Idempotency-Key gets that lease)",
             retry_after=max(1, math.ceil(free_at - time.time())),
-            holder=lease.owner, expires_at=rfc3339(lease.expires_at))
+            holder=lease.owner,
+            expires_at=rfc3339(lease.expires_at),
+        )
     if taken.result == "retried":
         return web.json_response(lease.to_json(), status=200)
     metrics.acquisitions.labels("acquired").inc()
@@ -68,8 +73,9 @@ async def acquire(request: web.Request) -> web.Response:
 async def renew(request: web.Request) -> web.Response:
     params.only(request, ())
     resource, rule = _resource(request)
-    body = await params.json_body(request, {"owner": str, "fence": int, "ttl_s": _NUMBER},
-                                  ("owner", "fence"))
+    body = await params.json_body(
+        request, {"owner": str, "fence": int, "ttl_s": _NUMBER}, ("owner", "fence")
+    )
     owner = _owner(body["owner"])
     fence = _fence(body["fence"])
     ttl_s = _ttl(body, rule)
@@ -77,8 +83,10 @@ async def renew(request: web.Request) -> web.Response:
     lease = await request.app[appkeys.STORE].renew(resource, owner, fence, ttl_s, _client(request))
     if lease is None:
         metrics.renewals.labels("lost").inc()
-        raise errors.LeaseLost(f"this lease on {resource!r} is no longer held: it expired, "
-                               "was released, or belongs to another owner")
+        raise errors.LeaseLost(
+            f"this lease on {resource!r} is no longer held: it expired, "
+            "was released, or belongs to another owner"
+        )
     metrics.renewals.labels("renewed").inc()
     return web.json_response(lease.to_json())
 
@@ -98,13 +106,15 @@ async def release(request: web.Request) -> web.Response:
         released = await store.release(resource, None, None)
     else:
         if "owner" not in query or "fence" not in query:
-            raise errors.InvalidRequest("a release needs ?owner=…&fence=… "
-                                        "(or force=true to revoke)")
+            raise errors.InvalidRequest(
+                "a release needs ?owner=…&fence=… (or force=true to revoke)"
+            )
         owner = _owner(query["owner"])
         fence = grammar.fence_value(query["fence"])
         if fence is None:
-            raise errors.InvalidRequest(f"fence {query['fence']!r}: a whole number from 1 to "
-                                        f"{grammar.MAX_FENCE}")
+            raise errors.InvalidRequest(
+                f"fence {query['fence']!r}: a whole number from 1 to {grammar.MAX_FENCE}"
+            )
         released = await store.release(resource, owner, fence, _client(request))
         if not released.ok:
             raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
@@ -131,9 +141,9 @@ async def list_leases(request: web.Request) -> web.Response:
         raise errors.InvalidRequest(f"state {state!r}: one of {sorted(LEASE_STATES)}")
     size = params.limit(query)
     items = await request.app[appkeys.STORE].list_leases(
-        query.get("prefix") or None, state, params.decode_cursor(query), size)
-    return web.json_response(params.page([lease.to_json() for lease in items], size,
-                                         "resource"))
+        query.get("prefix") or None, state, params.decode_cursor(query), size
+    )
+    return web.json_response(params.page([lease.to_json() for lease in items], size, "resource"))
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -146,11 +156,13 @@ def _resource(request: web.Request) -> tuple[str, ResourceRule]:
     if not grammar.valid_resource(resource):
         raise errors.InvalidResource(
             f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
-            "segments separated by single '/', no '.' or '..' segment")
+            "segments separated by single '/', no '.' or '..' segment"
+        )
     rule = request.app[appkeys.POLICIES].lease_rule(resource)
     if rule is None:
         raise errors.ResourceNotAllowed(
-            f"no resource rule with a gateway-issued lease covers {resource!r}")
+            f"no resource rule with a gateway-issued lease covers {resource!r}"
+        )
     return resource, rule
 
 
@@ -162,8 +174,9 @@ def _owner(value: str) -> str:
 
 def _fence(value: int) -> int:
     if not 1 <= value <= grammar.MAX_FENCE:
-        raise errors.InvalidRequest(f"fence {value!r}: a whole number from 1 to "
-                                    f"{grammar.MAX_FENCE}")
+        raise errors.InvalidRequest(
+            f"fence {value!r}: a whole number from 1 to {grammar.MAX_FENCE}"
+        )
     return value
 
 
@@ -176,8 +189,10 @@ def _ttl(body: dict[str, Any], rule: ResourceRule) -> float:
     except OverflowError:  # an integer too large for a float
         ttl_s = math.inf
     if not math.isfinite(ttl_s) or not 0 < ttl_s <= maximum:
-        raise errors.InvalidRequest(f"ttl_s {body['ttl_s']!r}: more than 0 and at most {maximum} "
-                                    "(this resource's lease.max_ttl_s)")
+        raise errors.InvalidRequest(
+            f"ttl_s {body['ttl_s']!r}: more than 0 and at most {maximum} "
+            "(this resource's lease.max_ttl_s)"
+        )
     return ttl_s
 
 

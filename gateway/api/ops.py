@@ -26,8 +26,13 @@ async def readyz(request: web.Request) -> web.Response:
         await app[appkeys.STORE].heartbeat()
     except errors.StoreUnavailable as exc:
         raise errors.StoreUnavailable(f"the store does not accept writes: {exc}") from None
-    return web.json_response({"status": "ready", "instance": app[appkeys.SETTINGS].instance_id,
-                              "upstreams": sorted(app[appkeys.POLICIES].upstreams)})
+    return web.json_response(
+        {
+            "status": "ready",
+            "instance": app[appkeys.SETTINGS].instance_id,
+            "upstreams": sorted(app[appkeys.POLICIES].upstreams),
+        }
+    )
 
 
 @routes.get("/_gateway/metrics")
@@ -36,6 +41,9 @@ async def metrics(request: web.Request) -> web.Response:
     collectors = app[appkeys.METRICS]
     with contextlib.suppress(errors.StoreUnavailable):  # keep the last value; see readyz
         collectors.outcome_unknown_oldest.set(await app[appkeys.STORE].oldest_unknown_age())
-    return web.Response(body=collectors.render(),
-                        content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(
+        body=collectors.render(),
+        content_type="text/plain",
+        charset="utf-8",
+        headers={"X-Content-Type-Options": "nosniff"},
+    )

@@ -55,8 +55,9 @@ def moment(params: dict[str, str], name: str) -> float | None:
     try:
         return parse_rfc3339(value)
     except ValueError:
-        raise errors.InvalidRequest(f"{name} {value!r}: an RFC 3339 time with a zone, "
-                                    "e.g. 2026-08-29T05:07:00.000Z") from None
+        raise errors.InvalidRequest(
+            f"{name} {value!r}: an RFC 3339 time with a zone, e.g. 2026-08-29T05:07:00.000Z"
+        ) from None
 
 
 def encode_cursor(position: str) -> str:
@@ -71,8 +72,7 @@ def decode_cursor(params: dict[str, str]) -> str | None:
         decoded = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
         position = decoded["after"]
     except (binascii.Error, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise errors.InvalidRequest(f"cursor {value!r} is not one this gateway gave out") \
-            from None
+        raise errors.InvalidRequest(f"cursor {value!r} is not one this gateway gave out") from None
     if not isinstance(position, str):
         raise errors.InvalidRequest(f"cursor {value!r} is not one this gateway gave out")
     return position
@@ -84,8 +84,9 @@ def page(items: list[dict[str, Any]], size: int, key: str) -> dict[str, Any]:
     return {"items": items, "next_cursor": cursor}
 
 
-async def json_body(request: web.Request, fields: dict[str, type | tuple[type, ...]],
-                    required: Iterable[str]) -> dict[str, Any]:
+async def json_body(
+    request: web.Request, fields: dict[str, type | tuple[type, ...]], required: Iterable[str]
+) -> dict[str, Any]:
     """A JSON object with only `fields` (name -> accepted types), `required` present."""
     timeout_s = request.app[appkeys.SETTINGS].body_timeout_s
     try:
@@ -103,8 +104,9 @@ async def json_body(request: web.Request, fields: dict[str, type | tuple[type, .
         if name not in fields:
             raise errors.InvalidRequest(f"unknown field {name!r}; known: {sorted(fields)}")
         accepted = fields[name]
-        if isinstance(value, bool) and bool not in (accepted if isinstance(accepted, tuple)
-                                                    else (accepted,)):
+        if isinstance(value, bool) and bool not in (
+            accepted if isinstance(accepted, tuple) else (accepted,)
+        ):
             raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")
         if not isinstance(value, accepted):
             raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")

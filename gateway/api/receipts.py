@@ -16,11 +16,24 @@ from gateway.store.base import ReceiptQuery
 from gateway.upkeep import reconcile
 
 _RESOLVE_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "outcome": str, "source": str, "note": (str, type(None))}
+    "outcome": str,
+    "source": str,
+    "note": (str, type(None)),
+}
 MAX_SOURCE = 200
 MAX_NOTE = 4096
-_FILTERS = ("resource", "status", "owner", "idempotency_key", "fence_min", "fence_max", "since",
-            "until", "limit", "cursor")
+_FILTERS = (
+    "resource",
+    "status",
+    "owner",
+    "idempotency_key",
+    "fence_min",
+    "fence_max",
+    "since",
+    "until",
+    "limit",
+    "cursor",
+)
 
 routes = web.RouteTableDef()
 
@@ -31,22 +44,35 @@ async def list_receipts(request: web.Request) -> web.Response:
     status = query.get("status")
     if status is not None and status not in RECEIPT_STATUSES:
         raise errors.InvalidRequest(f"status {status!r}: one of {sorted(RECEIPT_STATUSES)}")
-    return await _page(request, ReceiptQuery(
-        resource=query.get("resource"), status=status, owner=query.get("owner"),
-        idempotency_key=query.get("idempotency_key"),
-        fence_min=params.integer(query, "fence_min"), fence_max=params.integer(query,
-                                                                               "fence_max"),
-        since=params.moment(query, "since"), until=params.moment(query, "until"),
-        after_id=params.decode_cursor(query), limit=params.limit(query)))
+    return await _page(
+        request,
+        ReceiptQuery(
+            resource=query.get("resource"),
+            status=status,
+            owner=query.get("owner"),
+            idempotency_key=query.get("idempotency_key"),
+            fence_min=params.integer(query, "fence_min"),
+            fence_max=params.integer(query, "fence_max"),
+            since=params.moment(query, "since"),
+            until=params.moment(query, "until"),
+            after_id=params.decode_cursor(query),
+            limit=params.limit(query),
+        ),
+    )
 
 
 @routes.get("/_gateway/v1/reconciliation")
 async def reconciliation(request: web.Request) -> web.Response:
     """The reconcilers' work queue: `outcome_unknown` receipts, oldest first."""
     query = params.only(request, ("limit", "cursor"))
-    return await _page(request, ReceiptQuery(status="outcome_unknown",
-                                             after_id=params.decode_cursor(query),
-                                             limit=params.limit(query)))
+    return await _page(
+        request,
+        ReceiptQuery(
+            status="outcome_unknown",
+            after_id=params.decode_cursor(query),
+            limit=params.limit(query),
+        ),
+    )
 
 
 @routes.get("/_gateway/v1/receipts/{id}")
@@ -60,8 +86,9 @@ async def get_receipt(request: web.Request) -> web.Response:
 
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
     items = await request.app[appkeys.STORE].list_receipts(query)
-    return web.json_response(params.page([receipt.to_json() for receipt in items],
-                                         query.limit, "id"))
+    return web.json_response(
+        params.page([receipt.to_json() for receipt in items], query.limit, "id")
+    )
 
 
 @routes.post("/_gateway/v1/receipts/{id}/resolve")
@@ -75,7 +102,8 @@ async def resolve(request: web.Request) -> web.Response:
     if not source.strip() or len(source) > MAX_SOURCE or not source.isprintable():
         raise errors.InvalidRequest(
             f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters, "
-            "e.g. operator:alice or service:billing-reconciler")
+            "e.g. operator:alice or service:billing-reconciler"
+        )
     if note is not None and len(note) > MAX_NOTE:
         raise errors.InvalidRequest(f"note: at most {MAX_NOTE} characters")
     receipt = await reconcile.resolve(request.app, request.match_info["id"], outcome, source, note)

@@ -80,8 +80,13 @@ async def _start_messaging_api(received: list[Delivered]) -> tuple[web.AppRunner
 
     async def post_message(request: web.Request) -> web.Response:
         body = await request.json()
-        received.append(Delivered(request.headers.get("X-Fence-Token"),
-                                  request.headers.get("Idempotency-Key"), body.get("text", "")))
+        received.append(
+            Delivered(
+                request.headers.get("X-Fence-Token"),
+                request.headers.get("Idempotency-Key"),
+                body.get("text", ""),
+            )
+        )
         return web.json_response({"id": f"msg-{len(received)}"}, status=201)
 
     app = web.Application()
@@ -107,22 +112,28 @@ def _gateway_env(tmp: Path, port: int, policy: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.update(GATEWAY_HOST="127.0.0.1", GATEWAY_PORT=str(port),
-               GATEWAY_DATABASE_URL=f"sqlite:///{tmp / 'demo.db'}",
-               GATEWAY_POLICIES=str(policy), GATEWAY_SWEEP_INTERVAL_S="0.2",
-               GATEWAY_LOG_LEVEL="WARNING")
+    env.update(
+        GATEWAY_HOST="127.0.0.1",
+        GATEWAY_PORT=str(port),
+        GATEWAY_DATABASE_URL=f"sqlite:///{tmp / 'demo.db'}",
+        GATEWAY_POLICIES=str(policy),
+        GATEWAY_SWEEP_INTERVAL_S="0.2",
+        GATEWAY_LOG_LEVEL="WARNING",
+    )
     return env
 
 
-async def _wait_ready(session: aiohttp.ClientSession, base: str,
-                      proc: asyncio.subprocess.Process) -> None:
+async def _wait_ready(
+    session: aiohttp.ClientSession, base: str, proc: asyncio.subprocess.Process
+) -> None:
     give_up = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < give_up:
         if proc.returncode is not None:
             raise DemoFailed(f"the gateway exited with status {proc.returncode}")
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(f"{base}/_gateway/readyz",
-                                   timeout=aiohttp.ClientTimeout(total=1)) as resp:
+            async with session.get(
+                f"{base}/_gateway/readyz", timeout=aiohttp.ClientTimeout(total=1)
+            ) as resp:
                 if resp.status == 200:
                     return
         await asyncio.sleep(0.1)
@@ -141,20 +152,32 @@ async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
         try:
             await gw.acquire(RESOURCE, "worker-b", TTL_S)
         except LeaseHeld as held:
-            say("B", f"asks for {RESOURCE}: 409 lease_held by {held.holder}, "
-                     f"Retry-After {held.retry_after or 1:g} s; waits politely")
-        async with gw.lease(RESOURCE, owner="worker-b", ttl_s=TTL_S,
-                            acquire_timeout_s=8) as b:
+            say(
+                "B",
+                f"asks for {RESOURCE}: 409 lease_held by {held.holder}, "
+                f"Retry-After {held.retry_after or 1:g} s; waits politely",
+            )
+        async with gw.lease(RESOURCE, owner="worker-b", ttl_s=TTL_S, acquire_timeout_s=8) as b:
             say("B", f"acquired {RESOURCE}: fence {b.fence} (A's lease expired)")
             sent = await b.post(MESSAGE_PATH, json=MESSAGE)
-            say("B", f"sends the message with fence {b.fence}: {sent.status}, "
-                     f"receipt {_short(sent.receipt_id or '-')}")
-            say("A", f"wakes from its model call, past its {TTL_S} s TTL; its client knows: "
-                     f"lost={a.lost} ({a.lost_reason})")
+            say(
+                "B",
+                f"sends the message with fence {b.fence}: {sent.status}, "
+                f"receipt {_short(sent.receipt_id or '-')}",
+            )
+            say(
+                "A",
+                f"wakes from its model call, past its {TTL_S} s TTL; its client knows: "
+                f"lost={a.lost} ({a.lost_reason})",
+            )
             say("A", "but say it froze between that check and its send: it sends with fence 1")
             try:
-                stale = await gw.request("POST", MESSAGE_PATH, json=MESSAGE,
-                                         headers=fenced_headers(RESOURCE, a.fence, a.owner))
+                stale = await gw.request(
+                    "POST",
+                    MESSAGE_PATH,
+                    json=MESSAGE,
+                    headers=fenced_headers(RESOURCE, a.fence, a.owner),
+                )
                 say("A", f"  -> {stale.status}: the stale message went through")
                 told["send"] = str(stale.status)
             except GatewayError as exc:
@@ -179,8 +202,9 @@ def _short(receipt_id: str) -> str:
     return "…" + receipt_id[-8:] if len(receipt_id) > 9 else receipt_id
 
 
-async def _evidence(gw: GatewayClient, received: list[Delivered], told: dict[str, str],
-                    out: Out) -> list[str]:
+async def _evidence(
+    gw: GatewayClient, received: list[Delivered], told: dict[str, str], out: Out
+) -> list[str]:
     """Prints what the three parties recorded; returns the checks that failed."""
     out(f"\nThe messaging API received {len(received)} message(s):")
     for m in received:
@@ -191,21 +215,31 @@ async def _evidence(gw: GatewayClient, received: list[Delivered], told: dict[str
     row = "  {:<10} {:>5}  {:<9} {:<10} {}"
     out(row.format("id", "fence", "owner", "status", "reject_code"))
     for r in receipts:
-        out(row.format(_short(str(r["id"])), r["fence"], str(r["owner"]), r["status"],
-                       r["reject_code"] or "-"))
+        out(
+            row.format(
+                _short(str(r["id"])),
+                r["fence"],
+                str(r["owner"]),
+                r["status"],
+                r["reject_code"] or "-",
+            )
+        )
     lease = await gw.api("GET", f"/leases/{RESOURCE}")
     out(f"\nLease (GET /_gateway/v1/leases/{RESOURCE}):\n  {json.dumps(lease)}")
 
     def has(status: str, fence: int, owner: str, code: str | None) -> bool:
-        return any((r["status"], r["fence"], r["owner"], r["reject_code"]) ==
-                   (status, fence, owner, code) for r in receipts)
+        return any(
+            (r["status"], r["fence"], r["owner"], r["reject_code"]) == (status, fence, owner, code)
+            for r in receipts
+        )
 
     checks = {
         "exactly one message reached the messaging API": len(received) == 1,
         "it carried fence 2": [m.fence for m in received] == ["2"],
         "B's call succeeded (receipt succeeded, fence 2)": has("succeeded", 2, "worker-b", None),
-        "A's call was rejected stale_fence (fence 1)": has("rejected", 1, "worker-a",
-                                                           "stale_fence"),
+        "A's call was rejected stale_fence (fence 1)": has(
+            "rejected", 1, "worker-a", "stale_fence"
+        ),
         "only one receipt succeeded": sum(r["status"] == "succeeded" for r in receipts) == 1,
         "the lease record holds fence 2": lease.get("fence") == 2,
         "A's stale send was answered stale_fence": told.get("send") == "stale_fence",
@@ -244,9 +278,16 @@ async def run_demo(out: Out = print) -> int:
             port = _free_port()
             with log.open("wb") as log_file:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "gateway", "serve", cwd=tmp,
+                    sys.executable,
+                    "-m",
+                    "gateway",
+                    "serve",
+                    cwd=tmp,
                     env=_gateway_env(tmp, port, policy),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                )
             base = f"http://127.0.0.1:{port}"
             out(f"fence-gateway demo: gateway on {base}, messaging API on {upstream_url}")
             async with GatewayClient(base) as gw, asyncio.timeout(RUN_TIMEOUT_S):
@@ -266,8 +307,10 @@ async def run_demo(out: Out = print) -> int:
     if failed:
         out("\nVerdict: FAILED: " + "; ".join(failed))
         return 1
-    out("\nVerdict: one message, sent with fence 2; A's stale call was refused before the "
-        "tool (stale_fence) and its renewal answered lease_lost.")
+    out(
+        "\nVerdict: one message, sent with fence 2; A's stale call was refused before the "
+        "tool (stale_fence) and its renewal answered lease_lost."
+    )
     return 0
 
 

@@ -26,13 +26,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fence-gateway",
-                     description="A fencing reverse proxy for side-effecting tools.")
+    parser = _Parser(
+        prog="fence-gateway", description="A fencing reverse proxy for side-effecting tools."
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     commands.add_parser("serve", help="serve the gateway (configured by GATEWAY_* variables)")
     check = commands.add_parser("check-policies", help="validate policy files and exit")
-    check.add_argument("path", nargs="?", help="a YAML file or folder (default: "
-                                               "GATEWAY_POLICIES or ./policies)")
+    check.add_argument(
+        "path", nargs="?", help="a YAML file or folder (default: GATEWAY_POLICIES or ./policies)"
+    )
     commands.add_parser("hash-key", help="read a client secret on stdin, print its sha256")
     commands.add_parser("demo", help="play the two-worker race live, with its evidence")
     from gateway.cli import remote
@@ -120,8 +122,9 @@ def _check_policies(path: str | None) -> int:
         return _fail(str(exc))
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"ok: {len(policies.upstreams)} upstreams, {len(policies.rules)} resource rules "
-          f"in {target}")
+    print(
+        f"ok: {len(policies.upstreams)} upstreams, {len(policies.rules)} resource rules in {target}"
+    )
     return 0
 
 

@@ -31,8 +31,15 @@ API = "/_gateway/v1"
 EXIT_FAILED = 1
 TIMEOUT_S = 30.0
 MAX_LIMIT = 1000
-RECEIPT_STATUSES = ("pending", "succeeded", "failed", "not_sent", "outcome_unknown",
-                    "rejected", "reconciled")
+RECEIPT_STATUSES = (
+    "pending",
+    "succeeded",
+    "failed",
+    "not_sent",
+    "outcome_unknown",
+    "rejected",
+    "reconciled",
+)
 LEASE_STATES = ("held", "expired", "released")
 OUTCOMES = ("applied", "not_applied", "compensated")
 _CELL_MAX = 48  # a table cell longer than this is cut with "…"; `show` prints everything
@@ -68,7 +75,8 @@ def _moment(value: str) -> str:
         moment = None
     if moment is None or moment.tzinfo is None:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: an RFC 3339 time with a zone, e.g. 2026-08-29T05:07:00.000Z")
+            f"{value!r}: an RFC 3339 time with a zone, e.g. 2026-08-29T05:07:00.000Z"
+        )
     return value
 
 
@@ -81,9 +89,13 @@ def _text(value: str) -> str:
 def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
     """Register `leases` and `receipts` on the CLI's sub-command parser."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", type=_url, default=DEFAULT_URL,
-                        help=f"the gateway (default {DEFAULT_URL}); the key is read from "
-                             "the GATEWAY_KEY environment variable")
+    common.add_argument(
+        "--url",
+        type=_url,
+        default=DEFAULT_URL,
+        help=f"the gateway (default {DEFAULT_URL}); the key is read from "
+        "the GATEWAY_KEY environment variable",
+    )
     common.add_argument("--json", action="store_true", help="print the API's JSON")
     # typeshed wants `parents` of the sub-parsers' own class; argparse takes any ArgumentParser
     # (it only copies the parent's arguments).
@@ -99,8 +111,9 @@ def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
 
     receipts = commands.add_parser("receipts", help="operation receipts of a running gateway")
     receipt_actions = receipts.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = receipt_actions.add_parser("list", parents=parents,
-                                         help="list receipts, oldest first")
+    listing = receipt_actions.add_parser(
+        "list", parents=parents, help="list receipts, oldest first"
+    )
     listing.add_argument("--resource")
     listing.add_argument("--status", choices=RECEIPT_STATUSES)
     listing.add_argument("--owner")
@@ -117,19 +130,23 @@ def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
     show.set_defaults(handler=_receipts_show)
 
     resolve = receipt_actions.add_parser(
-        "resolve", parents=parents,
-        help="reconcile an outcome_unknown receipt: say what became of its call")
+        "resolve",
+        parents=parents,
+        help="reconcile an outcome_unknown receipt: say what became of its call",
+    )
     resolve.add_argument("id", type=_text)
     resolve.add_argument("--outcome", required=True, choices=OUTCOMES)
-    resolve.add_argument("--source", required=True, type=_text,
-                         help="who decided, e.g. operator:alice")
+    resolve.add_argument(
+        "--source", required=True, type=_text, help="who decided, e.g. operator:alice"
+    )
     resolve.add_argument("--note")
     resolve.set_defaults(handler=_receipts_resolve)
 
 
 def _add_paging(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--limit", type=_limit, help=f"{what} per page (default 100, at most "
-                                                     f"{MAX_LIMIT})")
+    parser.add_argument(
+        "--limit", type=_limit, help=f"{what} per page (default 100, at most {MAX_LIMIT})"
+    )
     parser.add_argument("--cursor", help="continue after a page (printed when there is more)")
     parser.add_argument("--all", action="store_true", help="follow every page")
 
@@ -177,8 +194,13 @@ class Api:
         # No ProxyHandler from the environment: see the module docstring.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def request(self, method: str, path: str, query: dict[str, Any] | None = None,
-                body: dict[str, Any] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Any:
         params = {k: str(v) for k, v in (query or {}).items() if v is not None}
         url = self.base_url + API + path + (f"?{urlencode(params)}" if params else "")
         headers = dict(self._headers)
@@ -193,24 +215,34 @@ class Api:
         except urllib.error.HTTPError as exc:
             raise _problem(exc) from None
         except urllib.error.URLError as exc:
-            raise Unreachable(f"cannot reach the gateway at {self.base_url}: "
-                              f"{_reason(exc.reason)}") from None
+            raise Unreachable(
+                f"cannot reach the gateway at {self.base_url}: {_reason(exc.reason)}"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
-            raise Unreachable(f"cannot reach the gateway at {self.base_url}: "
-                              f"{_reason(exc)}") from None
+            raise Unreachable(
+                f"cannot reach the gateway at {self.base_url}: {_reason(exc)}"
+            ) from None
         try:
             return json.loads(raw)
         except ValueError:
-            raise Unreachable(f"{self.base_url} answered {method} {path} with something that "
-                              "is not JSON: is it a fence-gateway?") from None
+            raise Unreachable(
+                f"{self.base_url} answered {method} {path} with something that "
+                "is not JSON: is it a fence-gateway?"
+            ) from None
 
-    def record(self, method: str, path: str, body: dict[str, Any] | None = None,
-               ) -> dict[str, Any]:
+    def record(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """One receipt or lease: a JSON object with an `id` or a `resource`."""
         answer = self.request(method, path, body=body)
         if not isinstance(answer, dict) or not ("id" in answer or "resource" in answer):
-            raise Unreachable(f"{self.base_url} answered {method} {path} with something that "
-                              "is not a record: is it a fence-gateway?")
+            raise Unreachable(
+                f"{self.base_url} answered {method} {path} with something that "
+                "is not a record: is it a fence-gateway?"
+            )
         return answer
 
     def pages(self, path: str, query: dict[str, Any], follow: bool) -> Iterator[dict[str, Any]]:
@@ -219,8 +251,10 @@ class Api:
         while True:
             page = self.request("GET", path, query)
             if not isinstance(page, dict) or not isinstance(page.get("items"), list):
-                raise Unreachable(f"{self.base_url} answered GET {path} with something that is "
-                                  "not a list page: is it a fence-gateway?")
+                raise Unreachable(
+                    f"{self.base_url} answered GET {path} with something that is "
+                    "not a list page: is it a fence-gateway?"
+                )
             yield page
             cursor = page.get("next_cursor")
             if not follow or not cursor or cursor in seen:
@@ -238,8 +272,11 @@ def _problem(exc: urllib.error.HTTPError) -> Problem:
     if content_type in ("application/problem+json", "application/json"):
         try:
             document = json.loads(raw)
-            return Problem(exc.code, str(document["code"]),
-                           str(document.get("detail") or document.get("title") or ""))
+            return Problem(
+                exc.code,
+                str(document["code"]),
+                str(document.get("detail") or document.get("title") or ""),
+            )
         except (ValueError, KeyError, TypeError):
             pass
     text = raw.decode("utf-8", "replace").strip().splitlines()
@@ -258,16 +295,23 @@ def _reason(reason: object) -> str:
 
 
 def _leases_list(api: Api, args: argparse.Namespace) -> int:
-    query = {"prefix": args.prefix, "state": args.state, "limit": args.limit,
-             "cursor": args.cursor}
+    query = {"prefix": args.prefix, "state": args.state, "limit": args.limit, "cursor": args.cursor}
     return _list(api, args, "/leases", query, "leases", _LEASE_COLUMNS)
 
 
 def _receipts_list(api: Api, args: argparse.Namespace) -> int:
-    query = {"resource": args.resource, "status": args.status, "owner": args.owner,
-             "idempotency_key": args.idempotency_key, "fence_min": args.fence_min,
-             "fence_max": args.fence_max, "since": args.since, "until": args.until,
-             "limit": args.limit, "cursor": args.cursor}
+    query = {
+        "resource": args.resource,
+        "status": args.status,
+        "owner": args.owner,
+        "idempotency_key": args.idempotency_key,
+        "fence_min": args.fence_min,
+        "fence_max": args.fence_max,
+        "since": args.since,
+        "until": args.until,
+        "limit": args.limit,
+        "cursor": args.cursor,
+    }
     return _list(api, args, "/receipts", query, "receipts", _RECEIPT_COLUMNS)
 
 
@@ -293,16 +337,21 @@ def _receipts_resolve(api: Api, args: argparse.Namespace) -> int:
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
-def _list(api: Api, args: argparse.Namespace, path: str, query: dict[str, Any], what: str,
-          columns: Sequence[Column]) -> int:
+def _list(
+    api: Api,
+    args: argparse.Namespace,
+    path: str,
+    query: dict[str, Any],
+    what: str,
+    columns: Sequence[Column],
+) -> int:
     items: list[dict[str, Any]] = []
     cursor = None
     for page in api.pages(path, query, args.all):
         items.extend(page["items"])
         cursor = page.get("next_cursor")
     if args.json:
-        print(json.dumps({"items": items, "next_cursor": None if args.all else cursor},
-                         indent=2))
+        print(json.dumps({"items": items, "next_cursor": None if args.all else cursor}, indent=2))
         return 0
     if not items:
         print(f"no {what}")
@@ -350,7 +399,7 @@ _LEASE_COLUMNS: tuple[Column, ...] = (
 
 def _cell(value: Any, cut: bool) -> str:
     text = "-" if value is None else str(value).replace("\n", " ")
-    return text if not cut or len(text) <= _CELL_MAX else text[:_CELL_MAX - 1] + "…"
+    return text if not cut or len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
 
 
 def table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
@@ -364,12 +413,15 @@ def table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
         and all(isinstance(line[i], int) or line[i] is None for line in values)
         for i in range(len(columns))
     ]
-    widths = [max(len(name), *(len(line[i]) for line in cells))
-              for i, (name, _) in enumerate(columns)]
+    widths = [
+        max(len(name), *(len(line[i]) for line in cells)) for i, (name, _) in enumerate(columns)
+    ]
 
     def line(texts: Sequence[str]) -> str:
-        parts = [t.rjust(w) if num else t.ljust(w)
-                 for t, w, num in zip(texts, widths, numeric, strict=True)]
+        parts = [
+            t.rjust(w) if num else t.ljust(w)
+            for t, w, num in zip(texts, widths, numeric, strict=True)
+        ]
         return "  ".join(parts).rstrip()
 
     return "\n".join([line([name for name, _ in columns]), *(line(c) for c in cells)])

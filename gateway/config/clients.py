@@ -86,10 +86,12 @@ def load_clients(path: str | Path) -> Clients:
     for index, client in enumerate(parsed.clients):
         for value in (f"name {client.name}", f"key {client.key_sha256}"):
             if value in seen:
-                raise source.error(("clients", index), f"the same {value.split()[0]} as "
-                                   f"clients[{seen[value]}]")
+                raise source.error(
+                    ("clients", index), f"the same {value.split()[0]} as clients[{seen[value]}]"
+                )
             seen[value] = index
         if client.roles == {"agent"} and not client.resources:
-            raise source.error(("clients", index, "resources"),
-                               "an agent needs at least one resource glob")
+            raise source.error(
+                ("clients", index, "resources"), "an agent needs at least one resource glob"
+            )
     return Clients(parsed.clients)

@@ -19,11 +19,26 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _URL_PATH = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*")
 # Headers an upstream's inject_headers may not set: message framing, Host, and what the
 # gateway sets to tell the tool about a fenced call.
-_NOT_INJECTABLE = frozenset({
-    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
-    "trailer", "upgrade", "proxy-connection", "x-lease-resource", "x-fence-token",
-    "x-receipt-id", "x-request-id", "idempotency-key", "x-forwarded-for", "x-forwarded-proto",
-})
+_NOT_INJECTABLE = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "x-lease-resource",
+        "x-fence-token",
+        "x-receipt-id",
+        "x-request-id",
+        "idempotency-key",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+    }
+)
 # RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
 _MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
 # host[:port]: a reg-name of unreserved characters or a bracketed IPv6 literal.
@@ -66,15 +81,18 @@ class Upstream(_Model):
         if "@" in parts.netloc:
             # The authority becomes the Host header: credentials there would reach the tool's
             # logs and every proxy on the way. Credentials belong in inject_headers.
-            raise ValueError("no user:password@ in an upstream URL; put credentials in "
-                             "inject_headers (e.g. Authorization)")
+            raise ValueError(
+                "no user:password@ in an upstream URL; put credentials in "
+                "inject_headers (e.g. Authorization)"
+            )
         authority = _AUTHORITY.fullmatch(parts.netloc)
         if authority is None:
-            raise ValueError("the host must be a name, an IPv4 address or a [bracketed] "
-                             "IPv6 address, with an optional :port")
+            raise ValueError(
+                "the host must be a name, an IPv4 address or a [bracketed] "
+                "IPv6 address, with an optional :port"
+            )
         port = authority.group("port")
-        if port is not None and not (port.isascii() and port.isdigit()
-                                     and 1 <= int(port) <= 65535):
+        if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"port {port!r} is not a number from 1 to 65535")
         if parts.query or parts.fragment:
             raise ValueError("no query or fragment in an upstream URL")
@@ -88,14 +106,17 @@ class Upstream(_Model):
     @classmethod
     def _mount(cls, value: str) -> str:
         if value == "/":
-            raise ValueError("a mount of '/' would swallow /_gateway/, which belongs to the "
-                             "gateway itself")
+            raise ValueError(
+                "a mount of '/' would swallow /_gateway/, which belongs to the gateway itself"
+            )
         if not _MOUNT.fullmatch(value):
             # Matched byte for byte against the raw request path, so anything that could be
             # percent-encoded, a query or a fragment would make it match never or by surprise.
-            raise ValueError("a mount is '/a' or '/a/b': segments of letters, digits and "
-                             "-._~!$&'()*+,;=:@ only (no percent-encoding, no empty segment, "
-                             "no trailing '/')")
+            raise ValueError(
+                "a mount is '/a' or '/a/b': segments of letters, digits and "
+                "-._~!$&'()*+,;=:@ only (no percent-encoding, no empty segment, "
+                "no trailing '/')"
+            )
         if any(seg in (".", "..") for seg in value.split("/")):
             raise ValueError("no '.' or '..' segment in a mount")
         if value == "/_gateway" or value.startswith("/_gateway/"):
@@ -109,8 +130,10 @@ class Upstream(_Model):
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a header name")
             if name.lower() in _NOT_INJECTABLE:
-                raise ValueError(f"{name!r} is set by the gateway itself (framing, Host or "
-                                 "the fencing headers): it cannot be injected")
+                raise ValueError(
+                    f"{name!r} is set by the gateway itself (framing, Host or "
+                    "the fencing headers): it cannot be injected"
+                )
         return value
 
     @property
@@ -149,8 +172,10 @@ class Idempotency(_Model):
             if not 100 <= status <= 599:
                 raise ValueError(f"{status} is not an HTTP status (100 to 599)")
             if 200 <= status <= 299:
-                raise ValueError(f"{status} is a success: a 2xx answer is `succeeded`, replayed "
-                                 "and never retried")
+                raise ValueError(
+                    f"{status} is a success: a 2xx answer is `succeeded`, replayed "
+                    "and never retried"
+                )
         return value
 
 
@@ -170,21 +195,27 @@ class CallTemplate(_Model):
     def _placeholders(cls, value: str) -> str:
         unknown = set(re.findall(r"\{([^}]*)\}", value)) - PLACEHOLDERS
         if unknown:
-            raise ValueError(f"unknown placeholder {{{sorted(unknown)[0]}}}; "
-                             f"known: {', '.join(sorted(PLACEHOLDERS))}")
+            raise ValueError(
+                f"unknown placeholder {{{sorted(unknown)[0]}}}; "
+                f"known: {', '.join(sorted(PLACEHOLDERS))}"
+            )
         return value
 
-    def render(self, resource: str, fence: int, idempotency_key: str,
-               receipt_id: str | None = None) -> str:
+    def render(
+        self, resource: str, fence: int, idempotency_key: str, receipt_id: str | None = None
+    ) -> str:
         """The path with docs/contract.md §8's placeholders filled in.
 
         `{resource}` and `{idempotency_key}` are percent-encoded whole (a resource has '/',
         a client's key may hold '/', '?', '#' or '%'). `{receipt_id}` stays literal while
         `receipt_id` is None: a receipt is made by admission, after its path is fixed.
         """
-        values = {"resource": quote(resource, safe=""),
-                  "name": quote(resource.rsplit("/", 1)[-1], safe=""),
-                  "idempotency_key": quote(idempotency_key, safe=""), "fence": str(fence)}
+        values = {
+            "resource": quote(resource, safe=""),
+            "name": quote(resource.rsplit("/", 1)[-1], safe=""),
+            "idempotency_key": quote(idempotency_key, safe=""),
+            "fence": str(fence),
+        }
         if receipt_id is not None:
             values["receipt_id"] = receipt_id
         return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), self.path)
@@ -206,8 +237,10 @@ class ResourceRule(_Model):
     @classmethod
     def _fences_something(cls, value: frozenset[str]) -> frozenset[str]:
         if not value:
-            raise ValueError("at least one method: a rule fencing none leaves every call "
-                             "unfenced (to mean that, leave the upstream without a rule)")
+            raise ValueError(
+                "at least one method: a rule fencing none leaves every call "
+                "unfenced (to mean that, leave the upstream without a rule)"
+            )
         return value
 
     @field_validator("match")
@@ -229,8 +262,12 @@ class PolicyFile(_Model):
 class PolicySet:
     """All policy files merged: upstreams by name, mounts longest first, rules in file order."""
 
-    def __init__(self, upstreams: list[Upstream], rules: list[ResourceRule],
-                 hmac_secrets: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        rules: list[ResourceRule],
+        hmac_secrets: dict[str, bytes] | None = None,
+    ) -> None:
         self.upstreams = {u.name: u for u in upstreams}
         self.hmac_secrets = hmac_secrets or {}  # env name -> secret, read once at start
         self.rules = rules
@@ -246,7 +283,7 @@ class PolicySet:
         for upstream in self._by_mount:
             mount = upstream.mount
             if path == mount or (path.startswith(mount) and path[len(mount)] in "/?"):
-                return upstream, path[len(mount):]
+                return upstream, path[len(mount) :]
         return None
 
     def rule_for(self, upstream: str, resource: str) -> ResourceRule | None:

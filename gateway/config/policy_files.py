@@ -29,8 +29,9 @@ def policy_files(path: str | Path) -> list[Path]:
     raise PolicyError(f"{root}: no such policy file or folder")
 
 
-def load_policies(path: str | Path, environ: dict[str, str] | None = None,
-                  warnings: list[str] | None = None) -> PolicySet:
+def load_policies(
+    path: str | Path, environ: dict[str, str] | None = None, warnings: list[str] | None = None
+) -> PolicySet:
     """Load, validate and merge every policy file under `path`.
 
     `environ` resolves `${NAME}` in `inject_headers`; `warnings` collects advice that does
@@ -48,8 +49,10 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
             where = source.where("upstreams", index)
             for kind, value in (("name", upstream.name), ("mount", upstream.mount)):
                 if (kind, value) in seen:
-                    raise PolicyError(f"{where}: upstreams[{index}].{kind}: {value!r} is "
-                                      f"already used at {seen[kind, value]}")
+                    raise PolicyError(
+                        f"{where}: upstreams[{index}].{kind}: {value!r} is "
+                        f"already used at {seen[kind, value]}"
+                    )
                 seen[kind, value] = where
             upstreams.append(_expand(upstream, env, where, index))
         rules.extend(parsed.resources)
@@ -59,43 +62,58 @@ def load_policies(path: str | Path, environ: dict[str, str] | None = None,
     names = {u.name for u in upstreams}
     for rule in rules:
         if rule.upstream not in names:
-            raise PolicyError(f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
-                              f" which no policy file declares (known: {sorted(names)})")
+            raise PolicyError(
+                f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
+                f" which no policy file declares (known: {sorted(names)})"
+            )
     if warnings is not None:
         # Allowed (a read-only tool needs no fencing), but it fails open: say so at start.
         ruled = {rule.upstream for rule in rules}
         warnings.extend(
             f"{seen['name', u.name]}: upstream {u.name} has no resource rule: every call to it "
-            "is forwarded unfenced, without a receipt" for u in upstreams if u.name not in ruled)
-    secrets = {r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()
-               for r in rules if r.lease.hmac_secret_env}
+            "is forwarded unfenced, without a receipt"
+            for u in upstreams
+            if u.name not in ruled
+        )
+    secrets = {
+        r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()
+        for r in rules
+        if r.lease.hmac_secret_env
+    }
     return PolicySet(upstreams, rules, secrets)
 
 
-def _rule_checks(rule: ResourceRule, where: tuple[str, int], env: Mapping[str, str],
-                 warnings: list[str] | None) -> None:
+def _rule_checks(
+    rule: ResourceRule, where: tuple[str, int], env: Mapping[str, str], warnings: list[str] | None
+) -> None:
     place, index = where
     secret_env = rule.lease.hmac_secret_env
     if rule.lease.issuer == "external" and not secret_env and warnings is not None:
         warnings.append(
             f"{place}: resources[{index}]: issuer external without hmac_secret_env: any client "
-            "allowed on it can push the fence to the maximum and lock the resource forever")
+            "allowed on it can push the fence to the maximum and lock the resource forever"
+        )
     if secret_env and not env.get(secret_env):
-        raise PolicyError(f"{place}: resources[{index}].lease.hmac_secret_env: "
-                          f"environment variable {secret_env} is not set")
+        raise PolicyError(
+            f"{place}: resources[{index}].lease.hmac_secret_env: "
+            f"environment variable {secret_env} is not set"
+        )
 
 
 def _expand(upstream: Upstream, env: Mapping[str, str], where: str, index: int) -> Upstream:
     def resolve(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in env:
-            raise PolicyError(f"{where}: upstreams[{index}].inject_headers: "
-                              f"environment variable {name} is not set")
+            raise PolicyError(
+                f"{where}: upstreams[{index}].inject_headers: "
+                f"environment variable {name} is not set"
+            )
         return env[name]
 
     headers = {k: _ENV_REF.sub(resolve, v) for k, v in upstream.inject_headers.items()}
     for name, value in headers.items():
         if any(ch in value for ch in "\r\n\0"):
-            raise PolicyError(f"{where}: upstreams[{index}].inject_headers.{name}: "
-                              "value contains CR, LF or NUL")
+            raise PolicyError(
+                f"{where}: upstreams[{index}].inject_headers.{name}: value contains CR, LF or NUL"
+            )
     return upstream.model_copy(update={"inject_headers": headers})

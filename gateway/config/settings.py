@@ -89,8 +89,10 @@ def parse_failpoints(value: str) -> dict[str, str]:
     for item in _split(value):
         name, _, action = item.partition("=")
         if name not in FAILPOINT_NAMES or action not in FAILPOINT_ACTIONS:
-            raise ValueError(f"{item!r}: expected one of {sorted(FAILPOINT_NAMES)} "
-                             f"= one of {sorted(FAILPOINT_ACTIONS)}")
+            raise ValueError(
+                f"{item!r}: expected one of {sorted(FAILPOINT_NAMES)} "
+                f"= one of {sorted(FAILPOINT_ACTIONS)}"
+            )
         result[name] = action
     return result
 

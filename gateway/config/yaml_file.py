@@ -86,18 +86,22 @@ def _parse(file: Path) -> tuple[Any, yaml.Node | None]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigFileError(f"{file}: cannot read: {exc}") from None
     except DuplicateKeyError as exc:
-        raise ConfigFileError(f"{file}:{exc.mark.line + 1}: duplicate key {exc.key!r} (first "
-                              f"at line {exc.first.line + 1})") from None
+        raise ConfigFileError(
+            f"{file}:{exc.mark.line + 1}: duplicate key {exc.key!r} (first "
+            f"at line {exc.first.line + 1})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1
-        raise ConfigFileError(f"{file}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}") \
-            from None
+        raise ConfigFileError(
+            f"{file}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}"
+        ) from None
     if document is None:
         document = {}
     if not isinstance(document, dict):
-        raise ConfigFileError(f"{file}:1: the top level must be a mapping with upstreams and "
-                          "resources")
+        raise ConfigFileError(
+            f"{file}:1: the top level must be a mapping with upstreams and resources"
+        )
     return document, root
 
 
@@ -107,8 +111,9 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             node = next((v for k, v in node.value if k.value == part), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
-                and part < len(node.value):
+        elif (
+            isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+        ):
             node = node.value[part]
         else:
             break

@@ -17,7 +17,7 @@ from gateway.core.idempotency import KeyState
 @dataclass(frozen=True, slots=True)
 class OwedCleanup:
     resource: str
-    lease_fence: int        # the expired lease this cleanup follows
+    lease_fence: int  # the expired lease this cleanup follows
     lease_owner: str
     due_at: float
     attempts: int
@@ -48,9 +48,13 @@ class CleanupClaim:
     holder: str | None = None
 
 
-def decide_claim(owed: OwedCleanup, earlier: KeyState | None,
-                 current_fence: int | None, current_owner: str | None,
-                 now: float) -> CleanupClaim | None:
+def decide_claim(
+    owed: OwedCleanup,
+    earlier: KeyState | None,
+    current_fence: int | None,
+    current_owner: str | None,
+    now: float,
+) -> CleanupClaim | None:
     """The claim's verdict before the acquire; None means "try to acquire" (the store then
     runs the acquire CAS and answers `claimed` or `busy`).
 
@@ -63,7 +67,8 @@ def decide_claim(owed: OwedCleanup, earlier: KeyState | None,
         if earlier.status in ("pending", "outcome_unknown"):
             return CleanupClaim("waiting", receipt_id=earlier.receipt_id)
         if earlier.status == "succeeded" or (
-                earlier.status == "reconciled" and earlier.resolution != "not_applied"):
+            earlier.status == "reconciled" and earlier.resolution != "not_applied"
+        ):
             return CleanupClaim("done", receipt_id=earlier.receipt_id)
     # Still owed. The lease must be the one this cleanup follows (the expired owner's, or the
     # sweeper's last attempt); anything newer means a new owner took the resource.

@@ -52,8 +52,14 @@ class GatewayError(Exception):
     code: ClassVar[str] = "internal_error"
     title: ClassVar[str] = "Internal error"
 
-    def __init__(self, detail: str | None = None, *, retry_after: int | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        detail: str | None = None,
+        *,
+        retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(detail or self.title)
         self.detail = detail or self.title
         self.retry_after = retry_after
@@ -206,9 +212,7 @@ class UpstreamTimeout(GatewayError):
     status, code, title = 504, "upstream_timeout", "Upstream timeout"
 
 
-BY_CODE: dict[str, type[GatewayError]] = {
-    cls.code: cls for cls in GatewayError.__subclasses__()
-}
+BY_CODE: dict[str, type[GatewayError]] = {cls.code: cls for cls in GatewayError.__subclasses__()}
 
 
 def from_code(code: str, detail: str | None = None, **extra: Any) -> GatewayError:

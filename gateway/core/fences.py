@@ -11,8 +11,9 @@ from typing import Literal
 
 Issuer = Literal["gateway", "external"]
 
-FenceRefusal = Literal["fence_not_issued", "stale_fence", "lease_expired", "not_lease_holder",
-                       "owner_mismatch"]
+FenceRefusal = Literal[
+    "fence_not_issued", "stale_fence", "lease_expired", "not_lease_holder", "owner_mismatch"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +31,14 @@ def check_external(fence: int, accepted: int) -> FenceRefusal | None:
     return "stale_fence" if fence < accepted else None
 
 
-def check_gateway(fence: int, issued: int, lease: LeaseView | None, owner: str | None,
-                  client: str | None, clients_configured: bool) -> FenceRefusal | None:
+def check_gateway(
+    fence: int,
+    issued: int,
+    lease: LeaseView | None,
+    owner: str | None,
+    client: str | None,
+    clients_configured: bool,
+) -> FenceRefusal | None:
     """The checks for a lease the gateway issued, in the contract's order."""
     if fence > issued:
         return "fence_not_issued"

@@ -45,8 +45,12 @@ class Refuse:
 Decision = NewAttempt | Replay | Refuse
 
 
-def decide(latest: KeyState | None, fingerprint: str, retry_statuses: frozenset[int],
-           pruned_attempts: int = 0) -> Decision:
+def decide(
+    latest: KeyState | None,
+    fingerprint: str,
+    retry_statuses: frozenset[int],
+    pruned_attempts: int = 0,
+) -> Decision:
     """What a call with a key whose latest receipt is `latest` gets.
 
     `pruned_attempts`: with no key record (never used, or pruned after its retention), the

@@ -45,9 +45,15 @@ class Lease:
 
     def to_json(self) -> dict[str, object]:
         """The lease of docs/contract.md §6; stores hand out leases already `shown`."""
-        return {"resource": self.resource, "owner": self.owner, "fence": self.fence,
-                "state": self.state, "acquired_at": rfc3339(self.acquired_at),
-                "renewed_at": rfc3339(self.renewed_at), "expires_at": rfc3339(self.expires_at)}
+        return {
+            "resource": self.resource,
+            "owner": self.owner,
+            "fence": self.fence,
+            "state": self.state,
+            "acquired_at": rfc3339(self.acquired_at),
+            "renewed_at": rfc3339(self.renewed_at),
+            "expires_at": rfc3339(self.expires_at),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +77,14 @@ class Held:
 AcquireDecision = Grant | Retried | Held
 
 
-def decide_acquire(current: Lease | None, owner: str, client: str | None,
-                   acquire_key: str | None, lock_delay_s: float, now: float) -> AcquireDecision:
+def decide_acquire(
+    current: Lease | None,
+    owner: str,
+    client: str | None,
+    acquire_key: str | None,
+    lock_delay_s: float,
+    now: float,
+) -> AcquireDecision:
     """The acquire CAS: free when there is no lease, it was released, or it expired at least
     `lock_delay_s` ago."""
     if current is None:
@@ -80,8 +92,13 @@ def decide_acquire(current: Lease | None, owner: str, client: str | None,
     live = current.live(now)
     # A retry answers with the lease it made only while that lease lives: handing back an
     # expired or released lease would give the client a dead fence.
-    if (live and acquire_key is not None and current.acquire_key == acquire_key
-            and current.client == client and current.owner == owner):
+    if (
+        live
+        and acquire_key is not None
+        and current.acquire_key == acquire_key
+        and current.client == client
+        and current.owner == owner
+    ):
         return Retried()
     if current.state != "released" and now < current.expires_at + lock_delay_s:
         return Held()
@@ -90,11 +107,17 @@ def decide_acquire(current: Lease | None, owner: str, client: str | None,
     return Grant()
 
 
-def may_renew(current: Lease | None, owner: str, fence: int, client: str | None,
-              now: float) -> bool:
+def may_renew(
+    current: Lease | None, owner: str, fence: int, client: str | None, now: float
+) -> bool:
     """Only the live lease's own holder (owner, fence and acquiring client) renews it."""
-    return (current is not None and current.owner == owner and current.fence == fence
-            and current.client == client and current.live(now))
+    return (
+        current is not None
+        and current.owner == owner
+        and current.fence == fence
+        and current.client == client
+        and current.live(now)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,21 +134,25 @@ class Release:
     held_seconds: float | None = None
 
 
-def decide_release(current: Lease | None, owner: str | None, fence: int | None,
-                   client: str | None, now: float) -> Release:
+def decide_release(
+    current: Lease | None, owner: str | None, fence: int | None, client: str | None, now: float
+) -> Release:
     """Releasing a lease its holder already released, or that expired untaken, is fine. A
     release after expiry leaves the lease to the sweeper, which marks it expired and owes
     its `on_expiry` cleanup as for any expiry. `owner` None: an admin's revoke."""
     revoke = owner is None
     if current is None:
         return Release(ok=revoke)
-    if not revoke and (current.owner != owner or current.fence != fence
-                       or current.client != client):
+    if not revoke and (
+        current.owner != owner or current.fence != fence or current.client != client
+    ):
         return Release(ok=False)
     if current.state != "held":
-        return Release(ok=True, action="free" if revoke and current.state == "expired"
-                       else "nothing")
+        return Release(
+            ok=True, action="free" if revoke and current.state == "expired" else "nothing"
+        )
     if not revoke and now >= current.expires_at:
         return Release(ok=True)  # expired untaken: the sweeper's to mark and clean up after
-    return Release(ok=True, action="release",
-                   held_seconds=min(now, current.expires_at) - current.acquired_at)
+    return Release(
+        ok=True, action="release", held_seconds=min(now, current.expires_at) - current.acquired_at
+    )

@@ -42,11 +42,11 @@ def outcome_of_answer(status: int) -> Literal["succeeded", "failed"]:
 class Completion(StrEnum):
     """What recording an outcome did to its receipt."""
 
-    RECORDED = "recorded"          # a pending receipt got its outcome
-    LATE = "late"                  # an outcome_unknown receipt learnt it after all (late: true)
+    RECORDED = "recorded"  # a pending receipt got its outcome
+    LATE = "late"  # an outcome_unknown receipt learnt it after all (late: true)
     LATE_OUTCOME = "late_outcome"  # the receipt was reconciled already: kept beside, alerted
-    UNCHANGED = "unchanged"        # nothing to learn: already final, or a second "unknown"
-    MISSING = "missing"            # no such receipt
+    UNCHANGED = "unchanged"  # nothing to learn: already final, or a second "unknown"
+    MISSING = "missing"  # no such receipt
 
 
 def decide_completion(current: ReceiptStatus | None, outcome: OutcomeStatus) -> Completion:

@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-ReceiptStatus = Literal["pending", "succeeded", "failed", "not_sent", "outcome_unknown",
-                        "rejected", "reconciled"]
+ReceiptStatus = Literal[
+    "pending", "succeeded", "failed", "not_sent", "outcome_unknown", "rejected", "reconciled"
+]
 RECEIPT_STATUSES: tuple[ReceiptStatus, ...] = get_args(ReceiptStatus)
 
 # Statuses whose receipts retention may delete: nothing is left to learn or decide about them.
 SETTLED: frozenset[ReceiptStatus] = frozenset(
-    {"succeeded", "failed", "not_sent", "rejected", "reconciled"})
+    {"succeeded", "failed", "not_sent", "rejected", "reconciled"}
+)
 
 Resolution = Literal["applied", "not_applied", "compensated"]
 RESOLUTIONS: tuple[Resolution, ...] = get_args(Resolution)
@@ -48,8 +50,14 @@ def may_resolve(status: ReceiptStatus, ready_at: float, now: float) -> bool:
     return status == "outcome_unknown" and now >= ready_at
 
 
-def is_lost(*, in_flight_here: bool, heartbeat_at: float | None, silent_after_s: float,
-            ready_at: float, now: float) -> bool:
+def is_lost(
+    *,
+    in_flight_here: bool,
+    heartbeat_at: float | None,
+    silent_after_s: float,
+    ready_at: float,
+    now: float,
+) -> bool:
     """Whether a `pending` receipt's outcome is lost (docs/contract.md §9): its instance fell
     silent, or its call is older than its upstream's timeout plus grace. A receipt this
     process still has in flight is never lost, whatever its age."""

@@ -18,8 +18,11 @@ log = logging.getLogger("fence_gateway")
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": rfc3339(record.created), "level": record.levelname.lower(),
-                 "event": record.getMessage()}
+        entry = {
+            "ts": rfc3339(record.created),
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+        }
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)

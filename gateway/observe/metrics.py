@@ -6,8 +6,23 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-                    5, 10, 30)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
 _HELD_BUCKETS = (0.1, 0.5, 1, 5, 15, 30, 60, 120, 300, 900, 3600, 14400)
 
 
@@ -16,33 +31,69 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("fence_gateway_requests_total", "Proxied calls by result",
-                                ["upstream", "result"], registry=registry)
-        self.rejections = Counter("fence_gateway_rejections_total", "Calls refused, by code",
-                                  ["upstream", "code"], registry=registry)
-        self.acquisitions = Counter("fence_gateway_lease_acquisitions_total",
-                                    "Lease acquire attempts", ["result"], registry=registry)
-        self.renewals = Counter("fence_gateway_lease_renewals_total", "Lease renewals",
-                                ["result"], registry=registry)
-        self.held = Histogram("fence_gateway_lease_held_seconds",
-                              "How long leases were held, on release or expiry",
-                              buckets=_HELD_BUCKETS, registry=registry)
-        self.outcome_unknown = Counter("fence_gateway_outcome_unknown_total",
-                                       "Calls whose outcome was lost", ["upstream"],
-                                       registry=registry)
-        self.outcome_unknown_oldest = Gauge("fence_gateway_outcome_unknown_oldest_seconds",
-                                            "Age of the oldest outcome_unknown receipt",
-                                            registry=registry)
-        self.reconciliations = Counter("fence_gateway_reconciliations_total",
-                                       "Receipts reconciled", ["outcome", "source"],
-                                       registry=registry)
-        self.cleanups = Counter("fence_gateway_sweeper_cleanups_total",
-                                "Sweeper cleanup calls", ["result"], registry=registry)
-        self.admission = Histogram("fence_gateway_admission_seconds",
-                                   "Admission: checks and the durable commit",
-                                   buckets=_LATENCY_BUCKETS, registry=registry)
-        self.upstream = Histogram("fence_gateway_upstream_seconds", "Upstream call duration",
-                                  ["upstream"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "fence_gateway_requests_total",
+            "Proxied calls by result",
+            ["upstream", "result"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "fence_gateway_rejections_total",
+            "Calls refused, by code",
+            ["upstream", "code"],
+            registry=registry,
+        )
+        self.acquisitions = Counter(
+            "fence_gateway_lease_acquisitions_total",
+            "Lease acquire attempts",
+            ["result"],
+            registry=registry,
+        )
+        self.renewals = Counter(
+            "fence_gateway_lease_renewals_total", "Lease renewals", ["result"], registry=registry
+        )
+        self.held = Histogram(
+            "fence_gateway_lease_held_seconds",
+            "How long leases were held, on release or expiry",
+            buckets=_HELD_BUCKETS,
+            registry=registry,
+        )
+        self.outcome_unknown = Counter(
+            "fence_gateway_outcome_unknown_total",
+            "Calls whose outcome was lost",
+            ["upstream"],
+            registry=registry,
+        )
+        self.outcome_unknown_oldest = Gauge(
+            "fence_gateway_outcome_unknown_oldest_seconds",
+            "Age of the oldest outcome_unknown receipt",
+            registry=registry,
+        )
+        self.reconciliations = Counter(
+            "fence_gateway_reconciliations_total",
+            "Receipts reconciled",
+            ["outcome", "source"],
+            registry=registry,
+        )
+        self.cleanups = Counter(
+            "fence_gateway_sweeper_cleanups_total",
+            "Sweeper cleanup calls",
+            ["result"],
+            registry=registry,
+        )
+        self.admission = Histogram(
+            "fence_gateway_admission_seconds",
+            "Admission: checks and the durable commit",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.upstream = Histogram(
+            "fence_gateway_upstream_seconds",
+            "Upstream call duration",
+            ["upstream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

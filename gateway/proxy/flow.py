@@ -21,28 +21,41 @@ class Flow:
     request_id: str
     upstream: Upstream | None = None
     method: str = ""
-    rest: str = ""                # after the mount, with the query: what the tool is sent
-    request_target: str = ""              # path and query as received: part of the fingerprint
+    rest: str = ""  # after the mount, with the query: what the tool is sent
+    request_target: str = ""  # path and query as received: part of the fingerprint
     client: str | None = None
-    resource: str | None = None   # as presented, once readable
-    fence: int | None = None      # as presented, once readable
-    owner: str | None = None      # X-Lease-Owner as presented
+    resource: str | None = None  # as presented, once readable
+    fence: int | None = None  # as presented, once readable
+    owner: str | None = None  # X-Lease-Owner as presented
     rule: ResourceRule | None = None
-    call: Call | None = None      # what admission was asked
+    call: Call | None = None  # what admission was asked
     receipt_id: str | None = None
-    status: int | None = None     # what the tool answered
-    replayed: bool = False        # answered from a stored answer
+    status: int | None = None  # what the tool answered
+    replayed: bool = False  # answered from a stored answer
 
     def rejection(self, code: str, http_status: int) -> Rejection | None:
         """The `rejected` receipt of a refusal before admission: kept only once resource and
         fence are readable (docs/contract.md §3, "Rejected receipts")."""
         if self.resource is None or self.fence is None or self.upstream is None:
             return None
-        return Rejection(resource=self.resource, fence=self.fence, owner=self.owner,
-                         client=self.client, upstream=self.upstream.name, method=self.method,
-                         path=self.rest, code=code, http_status=http_status)
+        return Rejection(
+            resource=self.resource,
+            fence=self.fence,
+            owner=self.owner,
+            client=self.client,
+            upstream=self.upstream.name,
+            method=self.method,
+            path=self.rest,
+            code=code,
+            http_status=http_status,
+        )
 
     def log_fields(self) -> dict[str, object]:
-        return {"upstream": self.upstream.name if self.upstream else None,
-                "client": self.client, "resource": self.resource, "fence": self.fence,
-                "receipt_id": self.receipt_id, "status": self.status}
+        return {
+            "upstream": self.upstream.name if self.upstream else None,
+            "client": self.client,
+            "resource": self.resource,
+            "fence": self.fence,
+            "receipt_id": self.receipt_id,
+            "status": self.status,
+        }

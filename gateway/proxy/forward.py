@@ -31,8 +31,7 @@ from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Admitted, Call, Refused, Replayed
 
 # Client headers never passed on for a fenced call: the gateway sets its own key header.
-_FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(),
-                          headers.REQUEST_ID_HEADER.lower()})
+_FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(), headers.REQUEST_ID_HEADER.lower()})
 
 _BLOCKED_DETAIL = {
     "resource_busy": "older calls of {resource!r} stayed in flight for {timeout}s",
@@ -43,8 +42,9 @@ _BLOCKED_DETAIL = {
 async def take_turn(rule: ResourceRule, resource: str, place: Place) -> None:
     """With `concurrency: serial`, wait for this call's turn (step 3c)."""
     if rule.concurrency == "serial" and not await place.take_turn(rule.queue_timeout_s):
-        raise errors.ResourceBusy(f"{resource!r} stayed busy for {rule.queue_timeout_s}s",
-                                  retry_after=1)
+        raise errors.ResourceBusy(
+            f"{resource!r} stayed busy for {rule.queue_timeout_s}s", retry_after=1
+        )
 
 
 async def admit(app: web.Application, call: Call, place: Place) -> Admitted | Replayed | Refused:
@@ -75,8 +75,14 @@ class Exchange:
 
 
 @asynccontextmanager
-async def forward(app: web.Application, flow: Flow, call: Call, place: Place,
-                  body: bytes | None, client: web.Request | None) -> AsyncIterator[Exchange]:
+async def forward(
+    app: web.Application,
+    flow: Flow,
+    call: Call,
+    place: Place,
+    body: bytes | None,
+    client: web.Request | None,
+) -> AsyncIterator[Exchange]:
     """From a durable `pending` receipt to a recorded outcome.
 
     `client` is the request being proxied (its headers go on, X-Forwarded-* are set), None
@@ -95,27 +101,41 @@ async def forward(app: web.Application, flow: Flow, call: Call, place: Place,
         blocked = await clear_to_forward(place, rule.queue_timeout_s, store, receipt_id)
         if blocked is not None:
             outcome = Outcome("not_sent", error=blocked)
-            error = errors.from_code(blocked, _BLOCKED_DETAIL[blocked].format(
-                resource=call.resource, timeout=rule.queue_timeout_s), retry_after=1)
-            yield Exchange(outcome, await record(app, receipt_id, outcome), loop.time(),
-                           error=error)
+            error = errors.from_code(
+                blocked,
+                _BLOCKED_DETAIL[blocked].format(
+                    resource=call.resource, timeout=rule.queue_timeout_s
+                ),
+                retry_after=1,
+            )
+            yield Exchange(
+                outcome, await record(app, receipt_id, outcome), loop.time(), error=error
+            )
             return
-        sent = upstream_headers(client, upstream, _FENCED_DROP, admitted_headers(
-            rule, call.resource, call.fence, call.idempotency_key, receipt_id, flow.request_id),
-            app[appkeys.SETTINGS].trusted_networks)
+        sent = upstream_headers(
+            client,
+            upstream,
+            _FENCED_DROP,
+            admitted_headers(
+                rule, call.resource, call.fence, call.idempotency_key, receipt_id, flow.request_id
+            ),
+            app[appkeys.SETTINGS].trusted_networks,
+        )
         deadline = loop.time() + upstream.timeout_s
         forwarded_at = time.time()
         try:
-            answer = await app[appkeys.UPSTREAMS].send(upstream, call.method, flow.rest, sent,
-                                                       body, deadline)
+            answer = await app[appkeys.UPSTREAMS].send(
+                upstream, call.method, flow.rest, sent, body, deadline
+            )
         except UpstreamFailure as failure:
             metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
             if outcome.status == "outcome_unknown":
                 metrics.outcome_unknown.labels(upstream.name).inc()
-            yield Exchange(outcome, await record(app, receipt_id, outcome), deadline,
-                           error=failure.error)
+            yield Exchange(
+                outcome, await record(app, receipt_id, outcome), deadline, error=failure.error
+            )
             return
         async with answer:
             head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
@@ -123,8 +143,9 @@ async def forward(app: web.Application, flow: Flow, call: Call, place: Place,
             failpoints.crash_at("after_upstream")
             outcome = head.outcome(forwarded_at)
             flow.status = head.status
-            yield Exchange(outcome, await record(app, receipt_id, outcome), deadline,
-                           head=head, answer=answer)
+            yield Exchange(
+                outcome, await record(app, receipt_id, outcome), deadline, head=head, answer=answer
+            )
     finally:
         in_flight.discard(receipt_id)
 
@@ -139,6 +160,10 @@ async def record(app: web.Application, receipt_id: str, outcome: Outcome) -> boo
         logs.event("outcome_unrecorded", logging.ERROR, receipt_id=receipt_id, error=str(exc))
         return False
     if completion is Completion.LATE_OUTCOME:
-        logs.event("late_outcome", logging.ERROR, receipt_id=receipt_id,
-                   detail="an outcome arrived for a receipt already reconciled")
+        logs.event(
+            "late_outcome",
+            logging.ERROR,
+            receipt_id=receipt_id,
+            detail="an outcome arrived for a receipt already reconciled",
+        )
     return True

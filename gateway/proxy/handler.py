@@ -35,8 +35,13 @@ _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 
 async def handle(request: web.Request) -> web.StreamResponse:
     found = route(request, request.app[appkeys.POLICIES])
-    flow = Flow(request[appkeys.REQUEST_ID], upstream=found.upstream, method=request.method,
-                rest=found.rest, request_target=found.request_target)
+    flow = Flow(
+        request[appkeys.REQUEST_ID],
+        upstream=found.upstream,
+        method=request.method,
+        rest=found.rest,
+        request_target=found.request_target,
+    )
     request[appkeys.FLOW] = flow
     if request.method in request.app[appkeys.POLICIES].fenced_methods[found.upstream.name]:
         return await _fenced(request, flow, found.upstream)
@@ -48,19 +53,25 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     app = request.app
     settings = app[appkeys.SETTINGS]
     body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
-    sent = upstream_headers(request, upstream, _PLAIN_DROP,
-                            {headers.REQUEST_ID_HEADER: flow.request_id},
-                            settings.trusted_networks)
+    sent = upstream_headers(
+        request,
+        upstream,
+        _PLAIN_DROP,
+        {headers.REQUEST_ID_HEADER: flow.request_id},
+        settings.trusted_networks,
+    )
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
-        answer = await app[appkeys.UPSTREAMS].send(upstream, request.method, flow.rest, sent,
-                                                   _body_or_none(request, body), deadline)
+        answer = await app[appkeys.UPSTREAMS].send(
+            upstream, request.method, flow.rest, sent, _body_or_none(request, body), deadline
+        )
     except UpstreamFailure as failure:
         raise failure.error from None
     async with answer:
         head = await read_head(answer, 0, deadline)
-        response, _ = await stream_back(request, head, answer,
-                                        {headers.REQUEST_ID_HEADER: flow.request_id}, deadline)
+        response, _ = await stream_back(
+            request, head, answer, {headers.REQUEST_ID_HEADER: flow.request_id}, deadline
+        )
     return response
 
 
@@ -76,20 +87,24 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
         if isinstance(result, Replayed):
             return await _replay(request, flow, call, result)
         flow.receipt_id = result.receipt_id
-        answer_headers = {headers.RECEIPT_HEADER: result.receipt_id,
-                          headers.REQUEST_ID_HEADER: flow.request_id,
-                          headers.IDEMPOTENCY_HEADER: call.idempotency_key,
-                          headers.FENCE_HEADER: str(call.fence)}
-        async with forward(app, flow, call, place, _body_or_none(request, body),
-                           request) as exchange:
+        answer_headers = {
+            headers.RECEIPT_HEADER: result.receipt_id,
+            headers.REQUEST_ID_HEADER: flow.request_id,
+            headers.IDEMPOTENCY_HEADER: call.idempotency_key,
+            headers.FENCE_HEADER: str(call.fence),
+        }
+        async with forward(
+            app, flow, call, place, _body_or_none(request, body), request
+        ) as exchange:
             if not exchange.recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
             if exchange.head is None:
                 error = exchange.error or errors.GatewayError()
                 error.headers.update(answer_headers)
                 raise error
-            response, broke = await stream_back(request, exchange.head, exchange.answer,
-                                                answer_headers, exchange.deadline)
+            response, broke = await stream_back(
+                request, exchange.head, exchange.answer, answer_headers, exchange.deadline
+            )
         if broke and not exchange.head.broken:
             with contextlib.suppress(errors.StoreUnavailable):
                 await app[appkeys.STORE].mark_incomplete(result.receipt_id)
@@ -97,8 +112,9 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
 
 
 @asynccontextmanager
-async def _checked(request: web.Request, flow: Flow,
-                   upstream: Upstream) -> AsyncIterator[tuple[Call, bytes, Place]]:
+async def _checked(
+    request: web.Request, flow: Flow, upstream: Upstream
+) -> AsyncIterator[tuple[Call, bytes, Place]]:
     """Steps 1 to 3c: the headers, the body and the signature, then the turn in the
     resource's place. A refusal here, once resource and fence are readable, is kept as a
     `rejected` receipt; the place is held until the call's outcome is recorded."""
@@ -110,21 +126,30 @@ async def _checked(request: web.Request, flow: Flow,
         client_key = headers.parse_idempotency_key(request.headers)
         if client_key is None and rule.idempotency.key == "require":
             raise errors.MissingIdempotencyKey("this resource requires an Idempotency-Key")
-        body = await read_body(request, upstream.max_body_bytes,
-                               app[appkeys.SETTINGS].body_timeout_s)
+        body = await read_body(
+            request, upstream.max_body_bytes, app[appkeys.SETTINGS].body_timeout_s
+        )
         _check_signature(request, rule, flow)
     except errors.GatewayError as error:
         await _keep_rejection(request, flow, error)
         raise
     resource, fence = flow.resource or "", flow.fence
     key = client_key or _make_key(rule, resource, flow.method, flow.request_target, body)
-    call = Call(resource=resource, fence=fence, owner=flow.owner, client=flow.client,
-                upstream=upstream.name, method=flow.method, path=flow.rest,
-                issuer=rule.lease.issuer, idempotency_key=key,
-                fingerprint=idempotency.fingerprint(flow.method, flow.request_target, body),
-                retry_statuses=rule.idempotency.retry_statuses,
-                retention_s=rule.idempotency.retention_s,
-                clients_configured=app[appkeys.CLIENTS] is not None)
+    call = Call(
+        resource=resource,
+        fence=fence,
+        owner=flow.owner,
+        client=flow.client,
+        upstream=upstream.name,
+        method=flow.method,
+        path=flow.rest,
+        issuer=rule.lease.issuer,
+        idempotency_key=key,
+        fingerprint=idempotency.fingerprint(flow.method, flow.request_target, body),
+        retry_statuses=rule.idempotency.retry_statuses,
+        retention_s=rule.idempotency.retention_s,
+        clients_configured=app[appkeys.CLIENTS] is not None,
+    )
     flow.call = call
     async with app[appkeys.LANES].join(resource) as place:
         try:
@@ -142,8 +167,9 @@ def _rule(request: web.Request, flow: Flow, upstream: Upstream) -> ResourceRule:
     flow.client = client.name if client is not None else None
     rule = request.app[appkeys.POLICIES].rule_for(upstream.name, resource)
     if rule is None:
-        raise errors.ResourceNotAllowed(f"no resource rule of upstream {upstream.name} "
-                                        f"matches {resource!r}")
+        raise errors.ResourceNotAllowed(
+            f"no resource rule of upstream {upstream.name} matches {resource!r}"
+        )
     if client is not None and not client.covers(resource):
         raise errors.Forbidden(f"client {flow.client} may not act on {resource!r}")
     flow.rule = rule
@@ -172,9 +198,12 @@ def _error_for(refused: Refused) -> errors.GatewayError:
     idempotency refusal; X-Receipt-Id is the `rejected` receipt this call left."""
     extra = {"receipt_id": refused.holder_receipt_id} if refused.holder_receipt_id else {}
     return errors.from_code(
-        refused.code, _REFUSAL_DETAIL.get(refused.code),
+        refused.code,
+        _REFUSAL_DETAIL.get(refused.code),
         retry_after=1 if refused.code == "idempotency_in_flight" else None,
-        headers={headers.RECEIPT_HEADER: refused.receipt_id}, **extra)
+        headers={headers.RECEIPT_HEADER: refused.receipt_id},
+        **extra,
+    )
 
 
 _REFUSAL_DETAIL = {
@@ -190,19 +219,26 @@ _REFUSAL_DETAIL = {
 }
 
 
-async def _replay(request: web.Request, flow: Flow, call: Call,
-                  replayed: Replayed) -> web.StreamResponse:
+async def _replay(
+    request: web.Request, flow: Flow, call: Call, replayed: Replayed
+) -> web.StreamResponse:
     """The stored answer, as the tool gave it, marked as a replay."""
     flow.replayed = True
     head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
-    response, _ = await stream_back(request, head, None, {
-        "Idempotent-Replayed": "true", headers.RECEIPT_HEADER: replayed.receipt_id,
-        headers.REQUEST_ID_HEADER: flow.request_id,
-        headers.IDEMPOTENCY_HEADER: call.idempotency_key,
-        headers.FENCE_HEADER: str(call.fence)},
+    response, _ = await stream_back(
+        request,
+        head,
+        None,
+        {
+            "Idempotent-Replayed": "true",
+            headers.RECEIPT_HEADER: replayed.receipt_id,
+            headers.REQUEST_ID_HEADER: flow.request_id,
+            headers.IDEMPOTENCY_HEADER: call.idempotency_key,
+            headers.FENCE_HEADER: str(call.fence),
+        },
         # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
-        deadline=asyncio.get_running_loop().time()
-        + request.app[appkeys.SETTINGS].body_timeout_s)
+        deadline=asyncio.get_running_loop().time() + request.app[appkeys.SETTINGS].body_timeout_s,
+    )
     return response
 
 
@@ -218,8 +254,9 @@ def _check_signature(request: web.Request, rule: ResourceRule, flow: Flow) -> No
         raise errors.BadFenceSignature("X-Fence-Signature is missing or wrong")
 
 
-def _make_key(rule: ResourceRule, resource: str, method: str, request_target: str,
-              body: bytes) -> str:
+def _make_key(
+    rule: ResourceRule, resource: str, method: str, request_target: str, body: bytes
+) -> str:
     if rule.idempotency.key == "random":
         return idempotency.random_key()
     return idempotency.derived_key(resource, method, request_target, body)

@@ -8,7 +8,6 @@ twice is that header's 400.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -31,23 +30,43 @@ REQUEST_ID_HEADER = "X-Request-Id"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) plus proxy credentials meant for the gateway.
-HOP_BY_HOP = frozenset(h.lower() for h in (
-    "Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding",
-    "Upgrade", "Proxy-Authorization", "Proxy-Authenticate",
-))
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Authorization",
+        "Proxy-Authenticate",
+    )
+)
 
 # Headers a client must never pass to the tool: the gateway sets the ones that matter itself.
-GATEWAY_OWNED = frozenset(h.lower() for h in (
-    FENCE_HEADER, SIGNATURE_HEADER, RESOURCE_HEADER, OWNER_HEADER, RECEIPT_HEADER,
-    "Forwarded", "X-Forwarded-Host", "Host", "Content-Length",
-))
+GATEWAY_OWNED = frozenset(
+    h.lower()
+    for h in (
+        FENCE_HEADER,
+        SIGNATURE_HEADER,
+        RESOURCE_HEADER,
+        OWNER_HEADER,
+        RECEIPT_HEADER,
+        "Forwarded",
+        "X-Forwarded-Host",
+        "Host",
+        "Content-Length",
+    )
+)
 
 
-
-def single(headers: Mapping[str, str] | CIMultiDictProxy[str], name: str,
-           error: type[errors.GatewayError]) -> str | None:
+def single(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], name: str, error: type[errors.GatewayError]
+) -> str | None:
     """The header's one value, None when absent; sent twice is `error`."""
-    values = headers.getall(name, [])  # type: ignore[union-attr]
+    values = headers.getall(name, [])
     if len(values) > 1:
         raise error(f"{name} was sent {len(values)} times")
     return values[0] if values else None
@@ -60,7 +79,8 @@ def parse_resource(headers: CIMultiDictProxy[str]) -> str:
     if not valid_resource(value):
         raise errors.InvalidResource(
             f"{value!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
-            "segments separated by single '/', no '.' or '..' segment")
+            "segments separated by single '/', no '.' or '..' segment"
+        )
     return value
 
 
@@ -71,7 +91,8 @@ def parse_fence(headers: CIMultiDictProxy[str]) -> int:
     fence = fence_value(value)
     if fence is None:
         raise errors.InvalidFence(
-            f"{value!r} is not a fencing token: a decimal integer from 1 to {MAX_FENCE}")
+            f"{value!r} is not a fencing token: a decimal integer from 1 to {MAX_FENCE}"
+        )
     return fence
 
 
@@ -88,7 +109,8 @@ def parse_idempotency_key(headers: CIMultiDictProxy[str]) -> str | None:
         return None
     if not valid_client_key(value):
         raise errors.InvalidIdempotencyKey(
-            f"{IDEMPOTENCY_HEADER}: 1 to 255 visible ASCII characters, not starting with 'gw-'")
+            f"{IDEMPOTENCY_HEADER}: 1 to 255 visible ASCII characters, not starting with 'gw-'"
+        )
     return value
 
 
@@ -109,10 +131,10 @@ def request_id(headers: CIMultiDictProxy[str]) -> str | None:
     return None
 
 
-def connection_named(headers: Mapping[str, str] | CIMultiDictProxy[str]) -> set[str]:
+def connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
     """Header names listed in `Connection`: hop-by-hop for this one connection."""
     named: set[str] = set()
-    for value in headers.getall("Connection", []):  # type: ignore[union-attr]
+    for value in headers.getall("Connection", []):
         named.update(token.strip().lower() for token in value.split(",") if token.strip())
     return named
 

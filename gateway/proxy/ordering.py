@@ -100,8 +100,11 @@ class Place:
         if self.fence is None:
             raise RuntimeError("register the fence first")
         fence = self.fence
-        return {other for other in self._lane.registered
-                if other.fence is not None and other.fence < fence}
+        return {
+            other
+            for other in self._lane.registered
+            if other.fence is not None and other.fence < fence
+        }
 
     async def wait_for(self, older: set[Place], timeout_s: float) -> bool:
         """Wait until every call of `older` has left; False when `timeout_s` passed."""
@@ -117,8 +120,9 @@ class Place:
         return True
 
 
-async def clear_to_forward(lane: Place, timeout_s: float, store: Store,
-                           receipt_id: str) -> str | None:
+async def clear_to_forward(
+    lane: Place, timeout_s: float, store: Store, receipt_id: str
+) -> str | None:
     """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
     served by a serial and a parallel rule at once). None when it may go; else why it may
     not (`resource_busy`, `store_unavailable`), and it is then never sent.

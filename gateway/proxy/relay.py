@@ -49,29 +49,37 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     return b"".join(chunks)
 
 
-def admitted_headers(rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str,
-                   request_id: str) -> dict[str, str]:
+def admitted_headers(
+    rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str, request_id: str
+) -> dict[str, str]:
     """What the gateway itself tells the tool about an admitted call."""
-    sent = {rule.idempotency.upstream_header: key, RECEIPT_HEADER: receipt_id,
-            REQUEST_ID_HEADER: request_id}
+    sent = {
+        rule.idempotency.upstream_header: key,
+        RECEIPT_HEADER: receipt_id,
+        REQUEST_ID_HEADER: request_id,
+    }
     if rule.forward_fence_headers:
         sent[RESOURCE_HEADER] = resource
         sent[FENCE_HEADER] = str(fence)
     return sent
 
 
-def upstream_headers(request: web.Request | None, upstream: Upstream, drop: frozenset[str],
-                     gateway_set: dict[str, str],
-                     trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
-                     ) -> CIMultiDict[str]:
+def upstream_headers(
+    request: web.Request | None,
+    upstream: Upstream,
+    drop: frozenset[str],
+    gateway_set: dict[str, str],
+    trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
+) -> CIMultiDict[str]:
     """The headers the tool receives (docs/contract.md §3, "Forwarded upstream"), in the
     contract's order.
 
     `request` is None for the calls the gateway makes itself (sweeper cleanups, probes):
     no client headers, no X-Forwarded-*.
     """
-    headers = CIMultiDict[str]() if request is None else strip(request.headers,
-                                                                GATEWAY_OWNED | drop)
+    headers = (
+        CIMultiDict[str]() if request is None else strip(request.headers, GATEWAY_OWNED | drop)
+    )
     headers["Host"] = upstream.authority
     for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
         headers[name] = value  # replaces any value of that name from the client
@@ -88,8 +96,10 @@ def upstream_headers(request: web.Request | None, upstream: Upstream, drop: froz
     return headers
 
 
-def _is_trusted(peer: str, trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
-                ) -> bool:
+def _is_trusted(
+    peer: str,
+    trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+) -> bool:
     if not trusted or not peer:
         return False
     try:
@@ -112,15 +122,18 @@ class Head:
     status: int
     headers: list[tuple[str, str]]
     prefix: bytes
-    complete: bool   # the body ended within the prefix
-    broken: bool     # the body broke while the prefix was read
+    complete: bool  # the body ended within the prefix
+    broken: bool  # the body broke while the prefix was read
 
     def outcome(self, forwarded_at: float) -> Outcome:
         """docs/contract.md §3's outcome of an answer; a complete one is kept for replay whole."""
-        return Outcome(outcome_of_answer(self.status),
-                       http_status=self.status, forwarded_at=forwarded_at,
-                       response=(self.headers, self.prefix) if self.complete else None,
-                       error="response_incomplete" if self.broken else None)
+        return Outcome(
+            outcome_of_answer(self.status),
+            http_status=self.status,
+            forwarded_at=forwarded_at,
+            response=(self.headers, self.prefix) if self.complete else None,
+            error="response_incomplete" if self.broken else None,
+        )
 
 
 async def read_head(response: aiohttp.ClientResponse, keep_max: int, deadline: float) -> Head:
@@ -154,8 +167,13 @@ class RelayedResponse(web.StreamResponse):
             self.headers.popall(hdrs.CONTENT_TYPE, None)
 
 
-async def stream_back(request: web.Request, head: Head, rest: aiohttp.ClientResponse | None,
-                      extra: dict[str, str], deadline: float) -> tuple[web.StreamResponse, bool]:
+async def stream_back(
+    request: web.Request,
+    head: Head,
+    rest: aiohttp.ClientResponse | None,
+    extra: dict[str, str],
+    deadline: float,
+) -> tuple[web.StreamResponse, bool]:
     """Send the answer to the client by `deadline` (loop time); (response, body_broke).
 
     A body that breaks after its status went out can only be signalled by aborting the

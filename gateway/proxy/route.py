@@ -17,8 +17,8 @@ class Route:
     """Where a request goes: its upstream, the path after the mount, the target as received."""
 
     upstream: Upstream
-    rest: str      # after the mount, with the query: what the tool is sent and receipts show
-    request_target: str    # path and query as received, mount included: part of the fingerprint
+    rest: str  # after the mount, with the query: what the tool is sent and receipts show
+    request_target: str  # path and query as received, mount included: part of the fingerprint
 
 
 def route(request: web.Request, policies: PolicySet) -> Route:
@@ -36,4 +36,4 @@ def route(request: web.Request, policies: PolicySet) -> Route:
     if found is None:
         raise errors.NoRoute(f"no upstream is mounted at {path}")
     upstream, _ = found
-    return Route(upstream, raw[len(upstream.mount):], raw)
+    return Route(upstream, raw[len(upstream.mount) :], raw)

@@ -12,7 +12,7 @@ import asyncio
 import ssl
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from multidict import CIMultiDict
@@ -30,13 +30,16 @@ _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 class UpstreamFailure(Exception):
     """The call failed in transport: `outcome` for the receipt, `error` for the client."""
 
-    outcome: str
+    outcome: Literal["not_sent", "outcome_unknown"]
     error: errors.GatewayError
 
     def as_outcome(self, forwarded_at: float) -> Outcome:
         """For the receipt: `not_sent` was never forwarded; anything else may have been."""
-        return Outcome(self.outcome, error=self.error.code,  # type: ignore[arg-type]
-                       forwarded_at=None if self.outcome == "not_sent" else forwarded_at)
+        return Outcome(
+            self.outcome,
+            error=self.error.code,
+            forwarded_at=None if self.outcome == "not_sent" else forwarded_at,
+        )
 
 
 async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
@@ -56,12 +59,17 @@ class Upstreams:
         trace.on_connection_create_end.append(_on_connection)
         trace.on_connection_reuseconn.append(_on_connection)
         for name, upstream in self._config.items():
-            connector = aiohttp.TCPConnector(limit=upstream.max_connections,
-                                             ssl=_ssl_context(upstream) or True)
+            connector = aiohttp.TCPConnector(
+                limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
+            )
             session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, trace_configs=[trace],
-                skip_auto_headers=_SKIP_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s))
+                connector=connector,
+                auto_decompress=False,
+                trace_configs=[trace],
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
+            )
             # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a
             # reused keep-alive connection turns out dead. A fenced call must reach the tool
             # at most once, so that retry is switched off (there is no public switch).
@@ -72,8 +80,15 @@ class Upstreams:
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
         self._sessions.clear()
 
-    async def send(self, upstream: Upstream, method: str, rest: str, headers: CIMultiDict[str],
-                   body: bytes | None, deadline: float) -> aiohttp.ClientResponse:
+    async def send(
+        self,
+        upstream: Upstream,
+        method: str,
+        rest: str,
+        headers: CIMultiDict[str],
+        body: bytes | None,
+        deadline: float,
+    ) -> aiohttp.ClientResponse:
         """Send once and return the response with its head read; raise `UpstreamFailure`.
 
         `rest` is the path after the mount plus the query, forwarded with its encoding as it
@@ -84,23 +99,40 @@ class Upstreams:
         try:
             async with asyncio.timeout_at(deadline):
                 return await self._sessions[upstream.name].request(
-                    method, url, headers=headers, data=body, allow_redirects=False,
-                    trace_request_ctx=state)
+                    method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    trace_request_ctx=state,
+                )
         except Exception as exc:  # whatever it is, the receipt needs to know if it was sent
             raise _classify(exc, state.connected, upstream) from exc
 
 
 def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
     if not connected:
-        return UpstreamFailure("not_sent", errors.UpstreamUnreachable(
-            f"upstream {upstream.name} could not be reached: {_describe(exc)}"))
+        return UpstreamFailure(
+            "not_sent",
+            errors.UpstreamUnreachable(
+                f"upstream {upstream.name} could not be reached: {_describe(exc)}"
+            ),
+        )
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-        return UpstreamFailure("outcome_unknown", errors.UpstreamTimeout(
-            f"upstream {upstream.name} did not answer within {upstream.timeout_s}s; "
-            "the call may have been applied"))
-    return UpstreamFailure("outcome_unknown", errors.UpstreamOutcomeUnknown(
-        f"upstream {upstream.name} broke the connection after the call was sent: "
-        f"{_describe(exc)}; the call may have been applied"))
+        return UpstreamFailure(
+            "outcome_unknown",
+            errors.UpstreamTimeout(
+                f"upstream {upstream.name} did not answer within {upstream.timeout_s}s; "
+                "the call may have been applied"
+            ),
+        )
+    return UpstreamFailure(
+        "outcome_unknown",
+        errors.UpstreamOutcomeUnknown(
+            f"upstream {upstream.name} broke the connection after the call was sent: "
+            f"{_describe(exc)}; the call may have been applied"
+        ),
+    )
 
 
 def _describe(exc: BaseException) -> str:
@@ -134,4 +166,5 @@ def require_no_resend_switch() -> None:
         raise RuntimeError(
             f"aiohttp {aiohttp.__version__} is installed, but fence-gateway needs aiohttp>="
             f"{floor}: this one cannot be told not to resend a PUT or DELETE on a dead "
-            "keep-alive connection, so a fenced call could reach its tool twice")
+            "keep-alive connection, so a fenced call could reach its tool twice"
+        )

@@ -22,8 +22,9 @@ from gateway.store import create_store
 from gateway.upkeep.sweeper import count_lost, sweeper_ctx
 
 
-def create_app(settings: Settings, policies: PolicySet,
-               clients: Clients | None = None) -> web.Application:
+def create_app(
+    settings: Settings, policies: PolicySet, clients: Clients | None = None
+) -> web.Application:
     app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
     app[appkeys.CLIENTS] = clients
     app[appkeys.SETTINGS] = settings
@@ -48,9 +49,12 @@ async def _not_found(request: web.Request) -> web.Response:
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[appkeys.SETTINGS]
-    store = create_store(settings.database_url, instance=settings.instance_id,
-                         durability=settings.durability,
-                         before_commit=app[appkeys.FAILPOINTS].in_commit)
+    store = create_store(
+        settings.database_url,
+        instance=settings.instance_id,
+        durability=settings.durability,
+        before_commit=app[appkeys.FAILPOINTS].in_commit,
+    )
     await store.open()
     app[appkeys.STORE] = store
     count_lost(app, store.recovered)

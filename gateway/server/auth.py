@@ -37,8 +37,10 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if clients is None or path in OPEN_PATHS:
         return await handler(request)
     if path.startswith("/_gateway/"):
-        client = clients.identify(request.headers.getall("Authorization", [])
-                                  or request.headers.getall("Proxy-Authorization", []))
+        client = clients.identify(
+            request.headers.getall("Authorization", [])
+            or request.headers.getall("Proxy-Authorization", [])
+        )
         _authorize_api(request, client)
     else:
         client = clients.identify(request.headers.getall("Proxy-Authorization", []))
@@ -61,7 +63,6 @@ def _authorize_api(request: web.Request, client: Client) -> None:
         elif method in ("GET", "HEAD") and client.may("reconciler"):
             return
         elif not (client.may("agent") and client.covers(resource)):
-            raise errors.Forbidden(f"client {client.name} may not use the lease of "
-                                   f"{resource!r}")
+            raise errors.Forbidden(f"client {client.name} may not use the lease of {resource!r}")
     elif path == "/_gateway/v1/leases" and not client.may("reconciler"):
         raise errors.Forbidden(f"client {client.name} may not list leases")

@@ -36,7 +36,7 @@ class _GatewayRequestHandler(RequestHandler):
         if self._request_count > heads:
             self._cancel_head_timer()  # a whole head arrived
         elif self._current_request is None and not self._messages:
-            self._start_head_timer()   # bytes of a new head: it has a deadline
+            self._start_head_timer()  # bytes of a new head: it has a deadline
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
@@ -57,14 +57,20 @@ class _GatewayRequestHandler(RequestHandler):
             self.force_close()
             self.transport.close()
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         if status == 500 or not isinstance(exc, BadHttpMessage):
             return super().handle_error(request, status, exc, message)
         error: errors.GatewayError = (
-            errors.HeadersTooLarge("the request head is too large") if isinstance(exc, LineTooLong)
-            or "Too many headers" in str(exc)
-            else errors.InvalidRequest(f"the request is malformed: {exc.message.splitlines()[0]}"))
+            errors.HeadersTooLarge("the request head is too large")
+            if isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
+            else errors.InvalidRequest(f"the request is malformed: {exc.message.splitlines()[0]}")
+        )
         response = problem_response(error, None)
         response.force_close()
         return response
@@ -75,9 +81,14 @@ class GatewayRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         # cast: type() returns a plain `type`, but one made with _GatewayRequestHandler as its
         # only base is a subclass of it.
-        self._handler_class = cast(type[_GatewayRequestHandler],
-                                   type("GatewayRequestHandler", (_GatewayRequestHandler,),
-                                        {"header_timeout_s": header_timeout_s}))
+        self._handler_class = cast(
+            type[_GatewayRequestHandler],
+            type(
+                "GatewayRequestHandler",
+                (_GatewayRequestHandler,),
+                {"header_timeout_s": header_timeout_s},
+            ),
+        )
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -19,24 +19,32 @@ PROBLEM_TYPE = "application/problem+json"
 
 # aiohttp's own refusals (router, body limits), in the gateway's vocabulary.
 _HTTP_EXCEPTIONS: dict[int, type[errors.GatewayError]] = {
-    404: errors.NotFound, 405: errors.MethodNotAllowed, 413: errors.BodyTooLarge,
-    408: errors.RequestTimeout, 431: errors.HeadersTooLarge,
+    404: errors.NotFound,
+    405: errors.MethodNotAllowed,
+    413: errors.BodyTooLarge,
+    408: errors.RequestTimeout,
+    431: errors.HeadersTooLarge,
 }
 
 
-def problem_response(error: errors.GatewayError, request_id: str | None,
-                     presented: dict[str, Any] | None = None) -> web.Response:
+def problem_response(
+    error: errors.GatewayError, request_id: str | None, presented: dict[str, Any] | None = None
+) -> web.Response:
     document: dict[str, Any] = {
-        "type": f"urn:fence-gateway:{error.code}", "title": error.title,
-        "status": error.status, "code": error.code, "detail": error.detail,
+        "type": f"urn:fence-gateway:{error.code}",
+        "title": error.title,
+        "status": error.status,
+        "code": error.code,
+        "detail": error.detail,
     }
     for name in ("resource", "fence"):
         if presented and presented.get(name) is not None:
             document[name] = presented[name]
     document["request_id"] = request_id
     document.update(error.extra)
-    response = web.Response(status=error.status, text=json.dumps(document),
-                            content_type=PROBLEM_TYPE)
+    response = web.Response(
+        status=error.status, text=json.dumps(document), content_type=PROBLEM_TYPE
+    )
     response.headers.update(error.headers)
     if request_id:
         response.headers[headers.REQUEST_ID_HEADER] = request_id
@@ -77,12 +85,20 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 # Failures of the call itself, as opposed to the gateway refusing it.
-_ERROR_CODES = frozenset({"upstream_unreachable", "upstream_outcome_unknown", "upstream_timeout",
-                          "store_unavailable", "internal_error"})
+_ERROR_CODES = frozenset(
+    {
+        "upstream_unreachable",
+        "upstream_outcome_unknown",
+        "upstream_timeout",
+        "store_unavailable",
+        "internal_error",
+    }
+)
 
 
-def _count(request: web.Request, error: errors.GatewayError | None, fields: dict[str, Any],
-           replayed: bool) -> None:
+def _count(
+    request: web.Request, error: errors.GatewayError | None, fields: dict[str, Any], replayed: bool
+) -> None:
     """fence_gateway_requests_total and _rejections_total for every proxied call: counted
     here only, so that no refusal, wherever it happens, goes uncounted."""
     metrics = request.app[appkeys.METRICS]
@@ -97,14 +113,27 @@ def _count(request: web.Request, error: errors.GatewayError | None, fields: dict
     metrics.requests.labels(upstream, result).inc()
 
 
-def _log(request: web.Request, response: web.StreamResponse, error: errors.GatewayError | None,
-         request_id: str, fields: dict[str, Any], replayed: bool, started: float) -> None:
+def _log(
+    request: web.Request,
+    response: web.StreamResponse,
+    error: errors.GatewayError | None,
+    request_id: str,
+    fields: dict[str, Any],
+    replayed: bool,
+    started: float,
+) -> None:
     logs.event(
         "rejected" if error is not None else "replayed" if replayed else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),
-        client=fields.get("client"), resource=fields.get("resource"), fence=fields.get("fence"),
-        upstream=fields.get("upstream"), method=request.method, path=request.path,
-        status=response.status, code=error.code if error is not None else None,
-        duration_ms=round((time.perf_counter() - started) * 1000, 2))
+        client=fields.get("client"),
+        resource=fields.get("resource"),
+        fence=fields.get("fence"),
+        upstream=fields.get("upstream"),
+        method=request.method,
+        path=request.path,
+        status=response.status,
+        code=error.code if error is not None else None,
+        duration_ms=round((time.perf_counter() - started) * 1000, 2),
+    )

@@ -29,9 +29,11 @@ def check_open_bind(settings: Settings) -> None:
         raise ConfigError(
             f"refusing to serve {settings.host} without GATEWAY_CLIENTS: anyone who can reach "
             "it could act as any agent. Set GATEWAY_CLIENTS, bind 127.0.0.1, or set "
-            "GATEWAY_ALLOW_OPEN=true to accept the risk")
-    logs.event("running_open", logging.WARNING,
-               detail="no GATEWAY_CLIENTS: every caller is trusted")
+            "GATEWAY_ALLOW_OPEN=true to accept the risk"
+        )
+    logs.event(
+        "running_open", logging.WARNING, detail="no GATEWAY_CLIENTS: every caller is trusted"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -51,7 +53,7 @@ async def serve(settings: Settings, policies: PolicySet, clients: Clients | None
         keepalive_timeout=75,  # idle keep-alive connections; aiohttp's default is an hour
         access_log=None,
         handler_cancellation=False,  # a call admitted must complete even if the client leaves
-        auto_decompress=False,       # bodies pass byte for byte
+        auto_decompress=False,  # bodies pass byte for byte
         shutdown_timeout=settings.shutdown_grace_s,
     )
     try:
@@ -69,9 +71,14 @@ async def serve(settings: Settings, policies: PolicySet, clients: Clients | None
     except OSError as exc:
         await runner.cleanup()
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
-    logs.event("serving", host=settings.host, port=settings.port,
-               instance=settings.instance_id, database=settings.database_url,
-               upstreams=",".join(sorted(policies.upstreams)))
+    logs.event(
+        "serving",
+        host=settings.host,
+        port=settings.port,
+        instance=settings.instance_id,
+        database=settings.database_url,
+        upstreams=",".join(sorted(policies.upstreams)),
+    )
     await stop.wait()
     logs.event("stopping", detail=f"draining calls for up to {settings.shutdown_grace_s}s")
     await runner.cleanup()  # stops accepting, lets handlers finish, then closes the store

@@ -49,11 +49,11 @@ class Call:
 
     resource: str
     fence: int
-    owner: str | None          # X-Lease-Owner as presented
+    owner: str | None  # X-Lease-Owner as presented
     client: str | None
     upstream: str
     method: str
-    path: str                  # after the mount, with the query
+    path: str  # after the mount, with the query
     issuer: Issuer
     idempotency_key: str
     fingerprint: str
@@ -130,14 +130,26 @@ class Receipt:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": self.id, "resource": self.resource, "fence": self.fence, "owner": self.owner,
-            "client": self.client, "upstream": self.upstream, "method": self.method,
-            "path": self.path, "idempotency_key": self.idempotency_key,
-            "fingerprint": self.fingerprint, "attempt": self.attempt, "status": self.status,
-            "http_status": self.http_status, "error": self.error,
-            "reject_code": self.reject_code, "late": self.late,
-            "created_at": rfc3339(self.created_at), "forwarded_at": rfc3339(self.forwarded_at),
-            "completed_at": rfc3339(self.completed_at), "instance": self.instance,
+            "id": self.id,
+            "resource": self.resource,
+            "fence": self.fence,
+            "owner": self.owner,
+            "client": self.client,
+            "upstream": self.upstream,
+            "method": self.method,
+            "path": self.path,
+            "idempotency_key": self.idempotency_key,
+            "fingerprint": self.fingerprint,
+            "attempt": self.attempt,
+            "status": self.status,
+            "http_status": self.http_status,
+            "error": self.error,
+            "reject_code": self.reject_code,
+            "late": self.late,
+            "created_at": rfc3339(self.created_at),
+            "forwarded_at": rfc3339(self.forwarded_at),
+            "completed_at": rfc3339(self.completed_at),
+            "instance": self.instance,
             "resolution": self.resolution,
         }
 
@@ -169,8 +181,8 @@ class AcquireResult:
     """`acquired` (a new fence), `retried` (the same lease again) or `held` (someone's)."""
 
     result: Literal["acquired", "retried", "held"]
-    lease: Lease                 # as shown now: the new lease, or the holder's
-    held_seconds: float | None   # of a lease taken over before the sweeper marked it
+    lease: Lease  # as shown now: the new lease, or the holder's
+    held_seconds: float | None  # of a lease taken over before the sweeper marked it
 
 
 def shown(lease: Lease, now: float) -> Lease:
@@ -217,8 +229,14 @@ class Store(Protocol):
     async def get_receipt(self, receipt_id: str) -> Receipt | None: ...
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]: ...
 
-    async def resolve(self, receipt_id: str, outcome: Resolution, source: str,
-                      note: str | None, waits: ReconcileWaits) -> Receipt | ResolveRefused:
+    async def resolve(
+        self,
+        receipt_id: str,
+        outcome: Resolution,
+        source: str,
+        note: str | None,
+        waits: ReconcileWaits,
+    ) -> Receipt | ResolveRefused:
         """Reconcile an `outcome_unknown` receipt past its grace."""
         ...
 
@@ -229,8 +247,9 @@ class Store(Protocol):
         """Refresh this instance's heartbeat: also the write check of readiness."""
         ...
 
-    async def expire_pending(self, waits: ReconcileWaits, silent_after_s: float,
-                             in_flight: frozenset[str]) -> dict[str, int]:
+    async def expire_pending(
+        self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]
+    ) -> dict[str, int]:
         """Turn lost `pending` receipts `outcome_unknown`; how many, by upstream."""
         ...
 
@@ -239,15 +258,25 @@ class Store(Protocol):
         ...
 
     # leases (§6): the acquire is a compare-and-swap; fences never go back
-    async def acquire(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
-                      client: str | None, acquire_key: str | None) -> AcquireResult: ...
-    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float,
-                    client: str | None = None) -> Lease | None: ...
-    async def release(self, resource: str, owner: str | None, fence: int | None,
-                      client: str | None = None) -> Release: ...
+    async def acquire(
+        self,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        client: str | None,
+        acquire_key: str | None,
+    ) -> AcquireResult: ...
+    async def renew(
+        self, resource: str, owner: str, fence: int, ttl_s: float, client: str | None = None
+    ) -> Lease | None: ...
+    async def release(
+        self, resource: str, owner: str | None, fence: int | None, client: str | None = None
+    ) -> Release: ...
     async def get_lease(self, resource: str) -> Lease | None: ...
-    async def list_leases(self, prefix: str | None, state: str | None, after: str | None,
-                          limit: int) -> list[Lease]: ...
+    async def list_leases(
+        self, prefix: str | None, state: str | None, after: str | None, limit: int
+    ) -> list[Lease]: ...
 
     async def expire_leases(self, cleanup_delay: CleanupDelay | None = None) -> list[Lease]:
         """Mark held leases past expiry `expired`: the ones this call marked, as they were.
@@ -257,8 +286,15 @@ class Store(Protocol):
     # sweeper cleanups (§9): owed in the expiry's transaction, claimed with the CAS
     async def due_cleanups(self, limit: int) -> list[str]: ...
     async def list_cleanups(self) -> list[OwedCleanup]: ...
-    async def claim_cleanup(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
-                            recheck_s: float) -> CleanupClaim: ...
-    async def finish_cleanup(self, resource: str, fence: int, done: bool,
-                             retry_at: float | None = None, error: str | None = None) -> None: ...
+    async def claim_cleanup(
+        self, resource: str, owner: str, ttl_s: float, lock_delay_s: float, recheck_s: float
+    ) -> CleanupClaim: ...
+    async def finish_cleanup(
+        self,
+        resource: str,
+        fence: int,
+        done: bool,
+        retry_at: float | None = None,
+        error: str | None = None,
+    ) -> None: ...
     async def drop_cleanup(self, resource: str) -> None: ...

@@ -29,9 +29,15 @@ class _Pending:
 
 
 class GroupCommitter:
-    def __init__(self, conn: sqlite3.Connection, executor: ThreadPoolExecutor, *,
-                 relaxed: bool, before_commit: Callable[[], None] = lambda: None,
-                 max_batch: int = 512) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        executor: ThreadPoolExecutor,
+        *,
+        relaxed: bool,
+        before_commit: Callable[[], None] = lambda: None,
+        max_batch: int = 512,
+    ) -> None:
         self._conn = conn
         self._executor = executor
         self._relaxed = relaxed

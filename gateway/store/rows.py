@@ -16,9 +16,26 @@ from gateway.core.leases import Lease
 from gateway.store.base import Receipt
 
 RECEIPT_COLUMNS = (
-    "id", "resource", "fence", "owner", "client", "upstream", "method", "path",
-    "idempotency_key", "fingerprint", "attempt", "status", "http_status", "error",
-    "reject_code", "late", "created_at", "forwarded_at", "completed_at", "instance",
+    "id",
+    "resource",
+    "fence",
+    "owner",
+    "client",
+    "upstream",
+    "method",
+    "path",
+    "idempotency_key",
+    "fingerprint",
+    "attempt",
+    "status",
+    "http_status",
+    "error",
+    "reject_code",
+    "late",
+    "created_at",
+    "forwarded_at",
+    "completed_at",
+    "instance",
     "resolution",
 )
 
@@ -32,10 +49,17 @@ def receipt_of(row: Mapping[str, Any]) -> Receipt:
 
 
 def lease_of(row: Mapping[str, Any]) -> Lease:
-    return Lease(resource=row["resource"], owner=row["owner"], fence=row["fence"],
-                 state=row["state"], client=row["client"], acquire_key=row["acquire_key"],
-                 acquired_at=row["acquired_at"], renewed_at=row["renewed_at"],
-                 expires_at=row["expires_at"])
+    return Lease(
+        resource=row["resource"],
+        owner=row["owner"],
+        fence=row["fence"],
+        state=row["state"],
+        client=row["client"],
+        acquire_key=row["acquire_key"],
+        acquired_at=row["acquired_at"],
+        renewed_at=row["renewed_at"],
+        expires_at=row["expires_at"],
+    )
 
 
 def key_state(row: Mapping[str, Any]) -> KeyState:
@@ -44,14 +68,24 @@ def key_state(row: Mapping[str, Any]) -> KeyState:
     resolution = row["resolution"]
     if isinstance(resolution, str):
         resolution = json.loads(resolution)
-    return KeyState(receipt_id=row["id"], fingerprint=row["fingerprint"], status=row["status"],
-                    http_status=row["http_status"], attempt=row["attempt"],
-                    resolution=resolution["outcome"] if resolution else None,
-                    replayable=bool(row["replayable"]) and row["error"] is None)
+    return KeyState(
+        receipt_id=row["id"],
+        fingerprint=row["fingerprint"],
+        status=row["status"],
+        http_status=row["http_status"],
+        attempt=row["attempt"],
+        resolution=resolution["outcome"] if resolution else None,
+        replayable=bool(row["replayable"]) and row["error"] is None,
+    )
 
 
 def owed_cleanup_of(row: Mapping[str, Any]) -> OwedCleanup:
-    return OwedCleanup(resource=row["resource"], lease_fence=row["lease_fence"],
-                       lease_owner=row["lease_owner"], due_at=row["due_at"],
-                       attempts=row["attempts"], sweep_fence=row["sweep_fence"],
-                       last_error=row["last_error"])
+    return OwedCleanup(
+        resource=row["resource"],
+        lease_fence=row["lease_fence"],
+        lease_owner=row["lease_owner"],
+        due_at=row["due_at"],
+        attempts=row["attempts"],
+        sweep_fence=row["sweep_fence"],
+        last_error=row["last_error"],
+    )

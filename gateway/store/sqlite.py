@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from gateway.core import cleanups, fences, idempotency, leases, outcomes
 from gateway.core.errors import BY_CODE, StoreUnavailable
@@ -48,6 +48,8 @@ from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import RECEIPT_COLUMNS, key_state, lease_of, owed_cleanup_of, receipt_of
 
+T = TypeVar("T")
+
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
 # What a receipt list reads: never the stored answers, which can be 64 KiB each.
 _RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
@@ -63,9 +65,15 @@ def sqlite_path(url: str) -> Path:
 
 
 class SqliteStore:
-    def __init__(self, path: Path, *, instance: str, durability: str = "strict",
-                 before_commit: Callable[[], None] = lambda: None,
-                 clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        instance: str,
+        durability: str = "strict",
+        before_commit: Callable[[], None] = lambda: None,
+        clock: Clock = time.time,
+    ) -> None:
         self.path = path
         self._now = clock
         self.instance = instance
@@ -90,18 +98,23 @@ class SqliteStore:
         self._reader_conn = await loop.run_in_executor(self._reader_pool, self._connect, True)
         # Recovery runs before the committer and outside it: failpoints model a store that
         # fails while serving, and a gateway that cannot recover must not start.
-        await loop.run_in_executor(self._writer_pool, self._register_and_recover,
-                                   self._writer_conn)
-        self.committer = GroupCommitter(self._writer_conn, self._writer_pool,
-                                        relaxed=self._relaxed, before_commit=self._before_commit)
+        await loop.run_in_executor(self._writer_pool, self._register_and_recover, self._writer_conn)
+        self.committer = GroupCommitter(
+            self._writer_conn,
+            self._writer_pool,
+            relaxed=self._relaxed,
+            before_commit=self._before_commit,
+        )
         self.committer.start()
 
     async def close(self) -> None:
         if self.committer is not None:
             await self.committer.stop()
         loop = asyncio.get_running_loop()
-        for pool, conn in ((self._writer_pool, self._writer_conn),
-                           (self._reader_pool, self._reader_conn)):
+        for pool, conn in (
+            (self._writer_pool, self._writer_conn),
+            (self._reader_pool, self._reader_conn),
+        ):
             if conn is not None:
                 await loop.run_in_executor(pool, conn.close)
             pool.shutdown(wait=True)
@@ -118,13 +131,14 @@ class SqliteStore:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreLocked(f"{self.path} is in use by another gateway process; a SQLite "
-                              "database serves one gateway process") from None
+            raise StoreLocked(
+                f"{self.path} is in use by another gateway process; a SQLite "
+                "database serves one gateway process"
+            ) from None
         self._lock_fd = fd
 
     def _connect(self, read_only: bool) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                               timeout=5)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5)
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'NORMAL' if self._relaxed else 'FULL'}")
@@ -140,36 +154,40 @@ class SqliteStore:
         """At start every `pending` receipt is an earlier run's: this process holds the lock."""
         now = self._now()
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) "
-                     "VALUES (?, ?, ?)", (self.instance, now, now))
-        self.recovered = _count_by_upstream(conn.execute(
-            "UPDATE receipts SET status = 'outcome_unknown', error = 'gateway_restarted' "
-            "WHERE status = 'pending' RETURNING upstream").fetchall())
+        conn.execute(
+            "INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) VALUES (?, ?, ?)",
+            (self.instance, now, now),
+        )
+        self.recovered = _count_by_upstream(
+            conn.execute(
+                "UPDATE receipts SET status = 'outcome_unknown', error = 'gateway_restarted' "
+                "WHERE status = 'pending' RETURNING upstream"
+            ).fetchall()
+        )
         last = conn.execute("SELECT max(id) AS id FROM receipts").fetchone()["id"]
         conn.execute("COMMIT")
         if last is not None:
             self._new_id.continue_after(last)  # ids keep their order across restarts
 
-    async def _write(self, op: Callable[[sqlite3.Connection], Any], *,
-                     durable: bool = False) -> Any:
+    async def _write(self, op: Callable[[sqlite3.Connection], T], *, durable: bool = False) -> T:
         if self.committer is None:
             raise StoreUnavailable("the store is not open")
-        return await self.committer.submit(op, durable=durable)
+        result: T = await self.committer.submit(op, durable=durable)
+        return result
 
-    async def _read(self, op: Callable[[sqlite3.Connection], Any]) -> Any:
+    async def _read(self, op: Callable[[sqlite3.Connection], T]) -> T:
         if self._reader_conn is None:
             raise StoreUnavailable("the store is not open")
         conn = self._reader_conn
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._reader_pool, op, conn)
+            return await asyncio.get_running_loop().run_in_executor(self._reader_pool, op, conn)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the store could not be read: {exc}") from exc
 
     # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
-        return await self._write(lambda conn: self._admit(conn, call))  # type: ignore[no-any-return]
+        return await self._write(lambda conn: self._admit(conn, call))
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         now = self._now()
@@ -177,11 +195,19 @@ class SqliteStore:
         owner = call.owner
         if call.issuer == "gateway":
             current = self._lease(conn, call.resource)
-            lease = None if current is None else fences.LeaseView(
-                owner=current.owner, fence=current.fence, client=current.client,
-                live=current.live(now))
-            code: str | None = fences.check_gateway(call.fence, issued, lease, call.owner,
-                                                    call.client, call.clients_configured)
+            lease = (
+                None
+                if current is None
+                else fences.LeaseView(
+                    owner=current.owner,
+                    fence=current.fence,
+                    client=current.client,
+                    live=current.live(now),
+                )
+            )
+            code: str | None = fences.check_gateway(
+                call.fence, issued, lease, call.owner, call.client, call.clients_configured
+            )
             owner = fences.recorded_owner(call.owner, call.fence, lease)
         else:
             code = fences.check_external(call.fence, accepted)
@@ -191,20 +217,31 @@ class SqliteStore:
         conn.execute(
             "INSERT INTO fences (resource, accepted) VALUES (?, ?) ON CONFLICT (resource) "
             "DO UPDATE SET accepted = max(accepted, excluded.accepted)",
-            (call.resource, call.fence))
+            (call.resource, call.fence),
+        )
 
         latest = self._key_state(conn, call.resource, call.idempotency_key)
-        pruned = 0 if latest is not None else conn.execute(
-            "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
-            "AND status != 'rejected'", (call.idempotency_key, call.resource)).fetchone()[0]
+        pruned = (
+            0
+            if latest is not None
+            else conn.execute(
+                "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
+                "AND status != 'rejected'",
+                (call.idempotency_key, call.resource),
+            ).fetchone()[0]
+        )
         decision = idempotency.decide(latest, call.fingerprint, call.retry_statuses, pruned)
         if isinstance(decision, idempotency.Replay):
-            stored = conn.execute("SELECT http_status, response_headers, response_body "
-                                  "FROM receipts WHERE id = ?", (decision.receipt_id,)).fetchone()
-            return Replayed(decision.receipt_id, stored["http_status"],
-                            [(name, value) for name, value
-                             in json.loads(stored["response_headers"])],
-                            bytes(stored["response_body"]))
+            stored = conn.execute(
+                "SELECT http_status, response_headers, response_body FROM receipts WHERE id = ?",
+                (decision.receipt_id,),
+            ).fetchone()
+            return Replayed(
+                decision.receipt_id,
+                stored["http_status"],
+                [(name, value) for name, value in json.loads(stored["response_headers"])],
+                bytes(stored["response_body"]),
+            )
         if isinstance(decision, idempotency.Refuse):
             receipt_id = self._insert_rejected(conn, call, owner, decision.code, now, True)
             return Refused(decision.code, receipt_id, decision.receipt_id)
@@ -214,22 +251,38 @@ class SqliteStore:
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
-            (receipt_id, call.resource, call.fence, owner, call.client, call.upstream,
-             call.method, call.path, call.idempotency_key, call.fingerprint, decision.attempt,
-             now, now, self.instance))
+            (
+                receipt_id,
+                call.resource,
+                call.fence,
+                owner,
+                call.client,
+                call.upstream,
+                call.method,
+                call.path,
+                call.idempotency_key,
+                call.fingerprint,
+                decision.attempt,
+                now,
+                now,
+                self.instance,
+            ),
+        )
         conn.execute(
             "INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
             "VALUES (?, ?, ?, ?, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
             "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, "
             "expires_at = NULL",
-            (call.resource, call.idempotency_key, receipt_id, call.retention_s))
+            (call.resource, call.idempotency_key, receipt_id, call.retention_s),
+        )
         return Admitted(receipt_id, decision.attempt, owner)
 
     @staticmethod
     def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
         """(highest issued, highest accepted) of a resource; (0, 0) for a new one."""
-        row = conn.execute("SELECT issued, accepted FROM fences WHERE resource = ?",
-                           (resource,)).fetchone()
+        row = conn.execute(
+            "SELECT issued, accepted FROM fences WHERE resource = ?", (resource,)
+        ).fetchone()
         return (row["issued"], row["accepted"]) if row else (0, 0)
 
     @staticmethod
@@ -238,91 +291,160 @@ class SqliteStore:
         return lease_of(row) if row else None
 
     @staticmethod
-    def _key_state(conn: sqlite3.Connection, resource: str,
-                   key: str) -> idempotency.KeyState | None:
+    def _key_state(
+        conn: sqlite3.Connection, resource: str, key: str
+    ) -> idempotency.KeyState | None:
         row = conn.execute(
             "SELECT r.id, r.fingerprint, r.status, r.http_status, r.replayable, r.resolution, "
             "r.attempt, r.error FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
-            "WHERE k.resource = ? AND k.key = ?", (resource, key)).fetchone()
+            "WHERE k.resource = ? AND k.key = ?",
+            (resource, key),
+        ).fetchone()
         return key_state(row) if row else None
 
-    def _insert_rejected(self, conn: sqlite3.Connection, call: Call, owner: str | None,
-                         code: str, now: float, with_key: bool) -> str:
-        return self._insert_rejection(conn, Rejection(
-            resource=call.resource, fence=call.fence, owner=owner, client=call.client,
-            upstream=call.upstream, method=call.method, path=call.path, code=code,
-            http_status=BY_CODE[code].status), now,
-            call.idempotency_key if with_key else None, call.fingerprint if with_key else None)
+    def _insert_rejected(
+        self,
+        conn: sqlite3.Connection,
+        call: Call,
+        owner: str | None,
+        code: str,
+        now: float,
+        with_key: bool,
+    ) -> str:
+        return self._insert_rejection(
+            conn,
+            Rejection(
+                resource=call.resource,
+                fence=call.fence,
+                owner=owner,
+                client=call.client,
+                upstream=call.upstream,
+                method=call.method,
+                path=call.path,
+                code=code,
+                http_status=BY_CODE[code].status,
+            ),
+            now,
+            call.idempotency_key if with_key else None,
+            call.fingerprint if with_key else None,
+        )
 
-    def _insert_rejection(self, conn: sqlite3.Connection, rejection: Rejection, now: float,
-                          key: str | None = None, fingerprint: str | None = None) -> str:
+    def _insert_rejection(
+        self,
+        conn: sqlite3.Connection,
+        rejection: Rejection,
+        now: float,
+        key: str | None = None,
+        fingerprint: str | None = None,
+    ) -> str:
         receipt_id = self._new_id(now)
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
             "completed_at, instance) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?)",
-            (receipt_id, rejection.resource, rejection.fence, rejection.owner, rejection.client,
-             rejection.upstream, rejection.method, rejection.path, key, fingerprint,
-             rejection.http_status, rejection.code, now, now, self.instance))
+            (
+                receipt_id,
+                rejection.resource,
+                rejection.fence,
+                rejection.owner,
+                rejection.client,
+                rejection.upstream,
+                rejection.method,
+                rejection.path,
+                key,
+                fingerprint,
+                rejection.http_status,
+                rejection.code,
+                now,
+                now,
+                self.instance,
+            ),
+        )
         return receipt_id
 
     async def reject(self, rejection: Rejection) -> str:
-        return await self._write(  # type: ignore[no-any-return]
-            lambda conn: self._insert_rejection(conn, rejection, self._now()))
+        return await self._write(lambda conn: self._insert_rejection(conn, rejection, self._now()))
 
     # -- outcomes (§3, "Outcome") -------------------------------------------------------------
 
     async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
-        return await self._write(  # type: ignore[no-any-return]
-            lambda conn: self._complete(conn, receipt_id, outcome))
+        return await self._write(lambda conn: self._complete(conn, receipt_id, outcome))
 
-    def _complete(self, conn: sqlite3.Connection, receipt_id: str,
-                  outcome: Outcome) -> Completion:
+    def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> Completion:
         now = self._now()
-        row = conn.execute("SELECT status, resource, idempotency_key FROM receipts "
-                           "WHERE id = ?", (receipt_id,)).fetchone()
+        row = conn.execute(
+            "SELECT status, resource, idempotency_key FROM receipts WHERE id = ?", (receipt_id,)
+        ).fetchone()
         completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
         if completion is Completion.LATE_OUTCOME:
             # The resolution stands; the tool's own answer is kept beside it for the alert.
-            conn.execute("UPDATE receipts SET error = 'late_outcome', late = 1, "
-                         "http_status = ? WHERE id = ?", (outcome.http_status, receipt_id))
+            conn.execute(
+                "UPDATE receipts SET error = 'late_outcome', late = 1, "
+                "http_status = ? WHERE id = ?",
+                (outcome.http_status, receipt_id),
+            )
         elif completion in (Completion.RECORDED, Completion.LATE):
             headers, body = outcome.response if outcome.response is not None else (None, None)
             conn.execute(
                 "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
                 "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
                 "response_body = ? WHERE id = ?",
-                (outcome.status, outcome.http_status, outcome.error,
-                 int(completion is Completion.LATE), outcome.forwarded_at, now,
-                 int(outcome.replayable), json.dumps(headers) if headers is not None else None,
-                 body, receipt_id))
+                (
+                    outcome.status,
+                    outcome.http_status,
+                    outcome.error,
+                    int(completion is Completion.LATE),
+                    outcome.forwarded_at,
+                    now,
+                    int(outcome.replayable),
+                    json.dumps(headers) if headers is not None else None,
+                    body,
+                    receipt_id,
+                ),
+            )
         if outcomes.settles_key(completion, outcome.status):
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
         return completion
 
     @staticmethod
-    def _settle_key(conn: sqlite3.Connection, resource: str, key: str | None,
-                    receipt_id: str, now: float) -> None:
+    def _settle_key(
+        conn: sqlite3.Connection, resource: str, key: str | None, receipt_id: str, now: float
+    ) -> None:
         """The key's retention starts once its latest receipt is settled."""
-        conn.execute("UPDATE idempotency_keys SET expires_at = ? + retention_s "
-                     "WHERE resource = ? AND key = ? AND receipt_id = ?",
-                     (now, resource, key, receipt_id))
+        conn.execute(
+            "UPDATE idempotency_keys SET expires_at = ? + retention_s "
+            "WHERE resource = ? AND key = ? AND receipt_id = ?",
+            (now, resource, key, receipt_id),
+        )
 
     async def mark_forwarded(self, receipt_id: str) -> None:
         """The call leaves now, later than its admission (it waited for older calls): the
         time a reconciler must wait counts from here, so this is durable before it leaves."""
-        await self._write(lambda conn: conn.execute(
-            "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
-            (self._now(), receipt_id)))
+        await self._write(
+            lambda conn: conn.execute(
+                "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
+                (self._now(), receipt_id),
+            )
+        )
 
     async def mark_incomplete(self, receipt_id: str) -> None:
-        await self._write(lambda conn: conn.execute(
-            "UPDATE receipts SET error = 'response_incomplete', replayable = 0, "
-            "response_headers = NULL, response_body = NULL WHERE id = ?", (receipt_id,)))
+        await self._write(
+            lambda conn: conn.execute(
+                "UPDATE receipts SET error = 'response_incomplete', replayable = 0, "
+                "response_headers = NULL, response_body = NULL WHERE id = ?",
+                (receipt_id,),
+            )
+        )
 
-    async def resolve(self, receipt_id: str, outcome: Resolution, source: str,
-                      note: str | None, waits: ReconcileWaits) -> Receipt | ResolveRefused:
+    async def resolve(
+        self,
+        receipt_id: str,
+        outcome: Resolution,
+        source: str,
+        note: str | None,
+        waits: ReconcileWaits,
+    ) -> Receipt | ResolveRefused:
         def op(conn: sqlite3.Connection) -> Receipt | ResolveRefused:
             now = self._now()
             row = conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
@@ -331,60 +453,88 @@ class SqliteStore:
             ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
             if not may_resolve(row["status"], ready_at, now):
                 return ResolveRefused.NOT_RECONCILABLE
-            resolution = {"outcome": outcome, "source": source, "note": note,
-                          "at": rfc3339(now)}
-            conn.execute("UPDATE receipts SET status = 'reconciled', resolution = ?, "
-                         "completed_at = coalesce(completed_at, ?) WHERE id = ?",
-                         (json.dumps(resolution), now, receipt_id))
+            resolution = {"outcome": outcome, "source": source, "note": note, "at": rfc3339(now)}
+            conn.execute(
+                "UPDATE receipts SET status = 'reconciled', resolution = ?, "
+                "completed_at = coalesce(completed_at, ?) WHERE id = ?",
+                (json.dumps(resolution), now, receipt_id),
+            )
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
-            return receipt_of(conn.execute("SELECT * FROM receipts WHERE id = ?",
-                                           (receipt_id,)).fetchone())
+            return receipt_of(
+                conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
+            )
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
     # -- reads (§7) ---------------------------------------------------------------------------
 
     async def get_receipt(self, receipt_id: str) -> Receipt | None:
         def op(conn: sqlite3.Connection) -> Receipt | None:
-            row = conn.execute(f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = ?",
-                               (receipt_id,)).fetchone()
+            row = conn.execute(
+                f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = ?", (receipt_id,)
+            ).fetchone()
             return receipt_of(row) if row else None
 
-        return await self._read(op)  # type: ignore[no-any-return]
+        return await self._read(op)
 
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
         clauses: list[str] = []
         params: list[object] = []
-        for column, value in (("resource", query.resource), ("status", query.status),
-                              ("owner", query.owner),
-                              ("idempotency_key", query.idempotency_key)):
+        for column, value in (
+            ("resource", query.resource),
+            ("status", query.status),
+            ("owner", query.owner),
+            ("idempotency_key", query.idempotency_key),
+        ):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
-        for clause, bound in (("fence >= ?", query.fence_min), ("fence <= ?", query.fence_max),
-                              ("created_at >= ?", query.since), ("created_at < ?", query.until),
-                              ("id > ?", query.after_id)):
+        for clause, bound in (
+            ("fence >= ?", query.fence_min),
+            ("fence <= ?", query.fence_max),
+            ("created_at >= ?", query.since),
+            ("created_at < ?", query.until),
+            ("id > ?", query.after_id),
+        ):
             if bound is not None:
                 clauses.append(clause)
                 params.append(bound)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ?"
         params.append(query.limit)
-        return await self._read(  # type: ignore[no-any-return]
-            lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()])
+        return await self._read(
+            lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()]
+        )
 
     # -- leases (§6) --------------------------------------------------------------------------
 
-    async def acquire(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
-                      client: str | None, acquire_key: str | None) -> AcquireResult:
+    async def acquire(
+        self,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        client: str | None,
+        acquire_key: str | None,
+    ) -> AcquireResult:
         """The acquire CAS; always durable, also in relaxed mode."""
-        return await self._write(  # type: ignore[no-any-return]
-            lambda conn: self._acquire(conn, resource, owner, ttl_s, lock_delay_s, client,
-                                       acquire_key), durable=True)
+        return await self._write(
+            lambda conn: self._acquire(
+                conn, resource, owner, ttl_s, lock_delay_s, client, acquire_key
+            ),
+            durable=True,
+        )
 
-    def _acquire(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
-                 lock_delay_s: float, client: str | None,
-                 acquire_key: str | None) -> AcquireResult:
+    def _acquire(
+        self,
+        conn: sqlite3.Connection,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        client: str | None,
+        acquire_key: str | None,
+    ) -> AcquireResult:
         """The acquire CAS inside a transaction (the sweeper's claim uses it too)."""
         now = self._now()
         current = self._lease(conn, resource)
@@ -394,22 +544,34 @@ class SqliteStore:
         if current is not None and isinstance(decision, leases.Held):
             return AcquireResult("held", shown(current, now), None)
         fence = fences.next_fence(*self._fences(conn, resource))
-        conn.execute("INSERT INTO fences (resource, issued) VALUES (?, ?) "
-                     "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
-                     (resource, fence))
+        conn.execute(
+            "INSERT INTO fences (resource, issued) VALUES (?, ?) "
+            "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
+            (resource, fence),
+        )
         conn.execute(
             "INSERT OR REPLACE INTO leases (resource, owner, fence, client, acquire_key, "
             "state, acquired_at, renewed_at, expires_at, ended_at) "
             "VALUES (?, ?, ?, ?, ?, 'held', ?, ?, ?, NULL)",
-            (resource, owner, fence, client, acquire_key, now, now, now + ttl_s))
-        granted = Lease(resource=resource, owner=owner, fence=fence, state="held",
-                        client=client, acquire_key=acquire_key, acquired_at=now,
-                        renewed_at=now, expires_at=now + ttl_s)
+            (resource, owner, fence, client, acquire_key, now, now, now + ttl_s),
+        )
+        granted = Lease(
+            resource=resource,
+            owner=owner,
+            fence=fence,
+            state="held",
+            client=client,
+            acquire_key=acquire_key,
+            acquired_at=now,
+            renewed_at=now,
+            expires_at=now + ttl_s,
+        )
         held = decision.held_seconds if isinstance(decision, leases.Grant) else None
         return AcquireResult("acquired", granted, held)
 
-    async def renew(self, resource: str, owner: str, fence: int, ttl_s: float,
-                    client: str | None = None) -> Lease | None:
+    async def renew(
+        self, resource: str, owner: str, fence: int, ttl_s: float, client: str | None = None
+    ) -> Lease | None:
         """The renewed lease, or None when it is lost (not ours, expired or released)."""
 
         def op(conn: sqlite3.Connection) -> Lease | None:
@@ -417,39 +579,43 @@ class SqliteStore:
             current = self._lease(conn, resource)
             if current is None or not leases.may_renew(current, owner, fence, client, now):
                 return None
-            conn.execute("UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
-                         (now, now + ttl_s, resource))
+            conn.execute(
+                "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
+                (now, now + ttl_s, resource),
+            )
             return replace(current, renewed_at=now, expires_at=now + ttl_s)
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
-    async def release(self, resource: str, owner: str | None, fence: int | None,
-                      client: str | None = None) -> Release:
+    async def release(
+        self, resource: str, owner: str | None, fence: int | None, client: str | None = None
+    ) -> Release:
         """With owner and fence None: an admin's revoke (`gateway.core.leases`)."""
 
         def op(conn: sqlite3.Connection) -> Release:
             now = self._now()
-            decision = leases.decide_release(self._lease(conn, resource), owner, fence,
-                                             client, now)
+            decision = leases.decide_release(self._lease(conn, resource), owner, fence, client, now)
             if decision.action == "release":
-                conn.execute("UPDATE leases SET state = 'released', ended_at = ? "
-                             "WHERE resource = ?", (now, resource))
+                conn.execute(
+                    "UPDATE leases SET state = 'released', ended_at = ? WHERE resource = ?",
+                    (now, resource),
+                )
             elif decision.action == "free":
-                conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?",
-                             (resource,))
+                conn.execute("UPDATE leases SET state = 'released' WHERE resource = ?", (resource,))
             return decision
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
     async def get_lease(self, resource: str) -> Lease | None:
         def op(conn: sqlite3.Connection) -> Lease | None:
             current = self._lease(conn, resource)
             return shown(current, self._now()) if current else None
 
-        return await self._read(op)  # type: ignore[no-any-return]
+        return await self._read(op)
 
-    async def list_leases(self, prefix: str | None, state: str | None, after: str | None,
-                          limit: int) -> list[Lease]:
+    async def list_leases(
+        self, prefix: str | None, state: str | None, after: str | None, limit: int
+    ) -> list[Lease]:
         def op(conn: sqlite3.Connection) -> list[Lease]:
             now = self._now()
             clauses: list[str] = []
@@ -469,31 +635,39 @@ class SqliteStore:
             elif state == "released":
                 clauses.append("state = 'released'")
             where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-            rows = conn.execute(f"SELECT * FROM leases {where} ORDER BY resource LIMIT ?",
-                                [*params, limit]).fetchall()
+            rows = conn.execute(
+                f"SELECT * FROM leases {where} ORDER BY resource LIMIT ?", [*params, limit]
+            ).fetchall()
             return [shown(lease_of(r), now) for r in rows]
 
-        return await self._read(op)  # type: ignore[no-any-return]
+        return await self._read(op)
 
     async def expire_leases(self, cleanup_delay: CleanupDelay | None = None) -> list[Lease]:
         def op(conn: sqlite3.Connection) -> list[Lease]:
             now = self._now()
-            expired = [lease_of(row) for row in conn.execute(
-                "SELECT * FROM leases WHERE state = 'held' AND expires_at <= ?",
-                (now,)).fetchall()]
-            conn.execute("UPDATE leases SET state = 'expired', ended_at = ? "
-                         "WHERE state = 'held' AND expires_at <= ?", (now, now))
+            expired = [
+                lease_of(row)
+                for row in conn.execute(
+                    "SELECT * FROM leases WHERE state = 'held' AND expires_at <= ?", (now,)
+                ).fetchall()
+            ]
+            conn.execute(
+                "UPDATE leases SET state = 'expired', ended_at = ? "
+                "WHERE state = 'held' AND expires_at <= ?",
+                (now, now),
+            )
             if cleanup_delay is not None:
                 self._schedule_cleanups(conn, expired, cleanup_delay, now)
             return expired
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
     # -- sweeper cleanups (§9; the decisions are gateway.core.cleanups') -------------------
 
     @staticmethod
-    def _schedule_cleanups(conn: sqlite3.Connection, expired: list[Lease],
-                           cleanup_delay: CleanupDelay, now: float) -> None:
+    def _schedule_cleanups(
+        conn: sqlite3.Connection, expired: list[Lease], cleanup_delay: CleanupDelay, now: float
+    ) -> None:
         for lease in expired:
             delay = cleanup_delay(lease.resource, lease.owner)
             if delay is None:
@@ -506,90 +680,140 @@ class SqliteStore:
                 "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
                 "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
                 "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
-                (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now))
+                (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now),
+            )
 
     async def due_cleanups(self, limit: int) -> list[str]:
         """Resources whose owed cleanup is due now, the longest due first."""
-        return await self._read(lambda conn: [row["resource"] for row in conn.execute(  # type: ignore[no-any-return]
-            "SELECT resource FROM cleanups WHERE due_at <= ? ORDER BY due_at LIMIT ?",
-            (self._now(), limit)).fetchall()])
+        return await self._read(
+            lambda conn: [
+                row["resource"]
+                for row in conn.execute(
+                    "SELECT resource FROM cleanups WHERE due_at <= ? ORDER BY due_at LIMIT ?",
+                    (self._now(), limit),
+                ).fetchall()
+            ]
+        )
 
     async def list_cleanups(self) -> list[OwedCleanup]:
         """Every owed cleanup, for operators and tests."""
-        return await self._read(lambda conn: [owed_cleanup_of(row) for row in conn.execute(  # type: ignore[no-any-return]
-            "SELECT * FROM cleanups ORDER BY resource").fetchall()])
+        return await self._read(
+            lambda conn: [
+                owed_cleanup_of(row)
+                for row in conn.execute("SELECT * FROM cleanups ORDER BY resource").fetchall()
+            ]
+        )
 
-    async def claim_cleanup(self, resource: str, owner: str, ttl_s: float, lock_delay_s: float,
-                            recheck_s: float) -> CleanupClaim:
+    async def claim_cleanup(
+        self, resource: str, owner: str, ttl_s: float, lock_delay_s: float, recheck_s: float
+    ) -> CleanupClaim:
         """Decide the next step of an owed cleanup and, when it is to be tried, acquire the
         resource as `owner` (a new fence). Durable like every acquire.
 
         `recheck_s`: how long to leave the row alone when it must wait (an earlier attempt's
         outcome is unknown, or the resource is still held).
         """
-        return await self._write(  # type: ignore[no-any-return]
-            lambda conn: self._claim_cleanup(conn, resource, owner, ttl_s, lock_delay_s,
-                                             recheck_s), durable=True)
+        return await self._write(
+            lambda conn: self._claim_cleanup(conn, resource, owner, ttl_s, lock_delay_s, recheck_s),
+            durable=True,
+        )
 
-    def _claim_cleanup(self, conn: sqlite3.Connection, resource: str, owner: str, ttl_s: float,
-                       lock_delay_s: float, recheck_s: float) -> CleanupClaim:
+    def _claim_cleanup(
+        self,
+        conn: sqlite3.Connection,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        recheck_s: float,
+    ) -> CleanupClaim:
         now = self._now()
         row = conn.execute("SELECT * FROM cleanups WHERE resource = ?", (resource,)).fetchone()
         if row is None:
             return CleanupClaim("not_due")
         owed = owed_cleanup_of(row)
-        earlier = None if owed.sweep_fence is None else self._key_state(
-            conn, resource, idempotency.sweep_key(owed.sweep_fence))
+        earlier = (
+            None
+            if owed.sweep_fence is None
+            else self._key_state(conn, resource, idempotency.sweep_key(owed.sweep_fence))
+        )
         current = self._lease(conn, resource)
-        verdict = cleanups.decide_claim(owed, earlier, current.fence if current else None,
-                                        current.owner if current else None, now)
+        verdict = cleanups.decide_claim(
+            owed,
+            earlier,
+            current.fence if current else None,
+            current.owner if current else None,
+            now,
+        )
         if verdict is None:  # still owed, after the lease it follows: try the acquire CAS
             taken = self._acquire(conn, resource, owner, ttl_s, lock_delay_s, None, None)
             if taken.result == "acquired":
                 fence = taken.lease.fence
-                conn.execute("UPDATE cleanups SET sweep_fence = ?, attempts = attempts + 1 "
-                             "WHERE resource = ?", (fence, resource))
-                return CleanupClaim("claimed", fence=fence, key=idempotency.sweep_key(fence),
-                                    attempt=owed.attempts + 1, lease_fence=owed.lease_fence,
-                                    lease_owner=owed.lease_owner)
+                conn.execute(
+                    "UPDATE cleanups SET sweep_fence = ?, attempts = attempts + 1 "
+                    "WHERE resource = ?",
+                    (fence, resource),
+                )
+                return CleanupClaim(
+                    "claimed",
+                    fence=fence,
+                    key=idempotency.sweep_key(fence),
+                    attempt=owed.attempts + 1,
+                    lease_fence=owed.lease_fence,
+                    lease_owner=owed.lease_owner,
+                )
             verdict = CleanupClaim("busy", holder=taken.lease.owner)
         if verdict.state in ("waiting", "busy"):
-            conn.execute("UPDATE cleanups SET due_at = ? WHERE resource = ?",
-                         (now + recheck_s, resource))
+            conn.execute(
+                "UPDATE cleanups SET due_at = ? WHERE resource = ?", (now + recheck_s, resource)
+            )
         elif verdict.state in ("done", "superseded"):
             conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
         return verdict
 
-    async def finish_cleanup(self, resource: str, fence: int, done: bool,
-                             retry_at: float | None = None, error: str | None = None) -> None:
+    async def finish_cleanup(
+        self,
+        resource: str,
+        fence: int,
+        done: bool,
+        retry_at: float | None = None,
+        error: str | None = None,
+    ) -> None:
         """After attempt `fence`: forget the cleanup when `done`, else note why and when to
         look again. A row a newer expiry replaced meanwhile is left alone."""
 
         def op(conn: sqlite3.Connection) -> None:
             if done:
-                conn.execute("DELETE FROM cleanups WHERE resource = ? AND sweep_fence = ?",
-                             (resource, fence))
+                conn.execute(
+                    "DELETE FROM cleanups WHERE resource = ? AND sweep_fence = ?", (resource, fence)
+                )
             else:
-                conn.execute("UPDATE cleanups SET due_at = ?, last_error = ? "
-                             "WHERE resource = ? AND sweep_fence = ?",
-                             (retry_at if retry_at is not None else self._now(), error,
-                              resource, fence))
+                conn.execute(
+                    "UPDATE cleanups SET due_at = ?, last_error = ? "
+                    "WHERE resource = ? AND sweep_fence = ?",
+                    (retry_at if retry_at is not None else self._now(), error, resource, fence),
+                )
 
         await self._write(op)
 
     async def drop_cleanup(self, resource: str) -> None:
         """Forget an owed cleanup (its rule no longer has `on_expiry`)."""
-        await self._write(lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = ?",
-                                                    (resource,)))
+        await self._write(
+            lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
+        )
 
     # -- upkeep (§9) --------------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        await self._write(lambda conn: conn.execute(
-            "UPDATE instances SET heartbeat_at = ? WHERE id = ?", (self._now(), self.instance)))
+        await self._write(
+            lambda conn: conn.execute(
+                "UPDATE instances SET heartbeat_at = ? WHERE id = ?", (self._now(), self.instance)
+            )
+        )
 
-    async def expire_pending(self, waits: ReconcileWaits, silent_after_s: float,
-                             in_flight: frozenset[str]) -> dict[str, int]:
+    async def expire_pending(
+        self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]
+    ) -> dict[str, int]:
         """Turn lost `pending` receipts `outcome_unknown` (`gateway.core.receipts.is_lost`);
         how many, by upstream."""
 
@@ -598,18 +822,29 @@ class SqliteStore:
             rows = conn.execute(
                 "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at "
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
-                "WHERE r.status = 'pending'").fetchall()
-            lost = [row for row in rows if is_lost(
-                in_flight_here=row["id"] in in_flight, heartbeat_at=row["heartbeat_at"],
-                silent_after_s=silent_after_s, now=now,
-                ready_at=waits.ready_at(row["upstream"], row["forwarded_at"],
-                                        row["created_at"]))]
-            conn.executemany("UPDATE receipts SET status = 'outcome_unknown', error = "
-                             "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
-                             [(row["id"],) for row in lost])
+                "WHERE r.status = 'pending'"
+            ).fetchall()
+            lost = [
+                row
+                for row in rows
+                if is_lost(
+                    in_flight_here=row["id"] in in_flight,
+                    heartbeat_at=row["heartbeat_at"],
+                    silent_after_s=silent_after_s,
+                    now=now,
+                    ready_at=waits.ready_at(
+                        row["upstream"], row["forwarded_at"], row["created_at"]
+                    ),
+                )
+            ]
+            conn.executemany(
+                "UPDATE receipts SET status = 'outcome_unknown', error = "
+                "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
+                [(row["id"],) for row in lost],
+            )
             return _count_by_upstream(lost)
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
     async def prune(self, receipt_retention_s: float) -> int:
         def op(conn: sqlite3.Connection) -> int:
@@ -621,18 +856,20 @@ class SqliteStore:
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
                 f"IN ({_SETTLED}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
                 "idempotency_keys k WHERE k.receipt_id = r.id) LIMIT ?)",
-                (now - receipt_retention_s, PRUNE_BATCH))
+                (now - receipt_retention_s, PRUNE_BATCH),
+            )
             return cursor.rowcount
 
-        return await self._write(op)  # type: ignore[no-any-return]
+        return await self._write(op)
 
     async def oldest_unknown_age(self) -> float:
         def op(conn: sqlite3.Connection) -> float:
-            row = conn.execute("SELECT min(created_at) AS t FROM receipts "
-                               "WHERE status = 'outcome_unknown'").fetchone()
+            row = conn.execute(
+                "SELECT min(created_at) AS t FROM receipts WHERE status = 'outcome_unknown'"
+            ).fetchone()
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
-        return await self._read(op)  # type: ignore[no-any-return]
+        return await self._read(op)
 
 
 def _count_by_upstream(rows: list[sqlite3.Row]) -> dict[str, int]:

@@ -38,9 +38,9 @@ from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.headers import new_request_id
 from gateway.store.base import Admitted, Call, CleanupClaim, Outcome, Refused
 
-MAX_RETRY_S = 60.0       # the longest wait between two tries of a failing cleanup
-MIN_RECHECK_S = 1.0      # how often an unknown outcome or a held resource is looked at again
-DUE_PER_SWEEP = 100      # owed cleanups started by one sweep at most
+MAX_RETRY_S = 60.0  # the longest wait between two tries of a failing cleanup
+MIN_RECHECK_S = 1.0  # how often an unknown outcome or a held resource is looked at again
+DUE_PER_SWEEP = 100  # owed cleanups started by one sweep at most
 
 
 class Cleaner:
@@ -86,8 +86,7 @@ class Cleaner:
         try:
             await self._attempt(resource)
         except errors.StoreUnavailable as exc:
-            logs.event("cleanup_store_failed", logging.WARNING, resource=resource,
-                       error=str(exc))
+            logs.event("cleanup_store_failed", logging.WARNING, resource=resource, error=str(exc))
         except Exception:
             logs.log.exception("cleanup of %s failed unexpectedly", resource)
 
@@ -97,57 +96,99 @@ class Cleaner:
         rule = policies.lease_rule(resource)
         if rule is None or rule.on_expiry is None:
             await store.drop_cleanup(resource)
-            logs.event("cleanup_dropped", logging.WARNING, resource=resource,
-                       detail="the resource's rule no longer has on_expiry")
+            logs.event(
+                "cleanup_dropped",
+                logging.WARNING,
+                resource=resource,
+                detail="the resource's rule no longer has on_expiry",
+            )
             return
         upstream = policies.upstreams[rule.upstream]
         owner = sweeper_owner(settings.instance_id)
         claim = await store.claim_cleanup(
-            resource, owner, upstream.timeout_s + settings.reconcile_grace_s + rule.lease.ttl_s,
-            rule.lease.lock_delay_s, max(settings.sweep_interval_s, MIN_RECHECK_S))
+            resource,
+            owner,
+            upstream.timeout_s + settings.reconcile_grace_s + rule.lease.ttl_s,
+            rule.lease.lock_delay_s,
+            max(settings.sweep_interval_s, MIN_RECHECK_S),
+        )
         if claim.state == "done":
             logs.event("cleanup_settled", resource=resource, receipt_id=claim.receipt_id)
         elif claim.state == "superseded":
-            logs.event("cleanup_superseded", resource=resource, holder=claim.holder,
-                       detail="a new owner took the resource before its cleanup ran")
+            logs.event(
+                "cleanup_superseded",
+                resource=resource,
+                holder=claim.holder,
+                detail="a new owner took the resource before its cleanup ran",
+            )
         if claim.state != "claimed" or claim.fence is None or claim.key is None:
             return
         fence = claim.fence
         try:
-            outcome, receipt_id = await self._call(rule, upstream, resource, fence, claim.key,
-                                                   owner)
+            outcome, receipt_id = await self._call(
+                rule, upstream, resource, fence, claim.key, owner
+            )
             await self._settle(rule, upstream, resource, claim, outcome, receipt_id)
         finally:  # also when cancelled at shutdown: the resource is free again at once
             await self._release(resource, owner, fence)
 
-    async def _settle(self, rule: ResourceRule, upstream: Upstream, resource: str,
-                      claim: CleanupClaim, outcome: Outcome, receipt_id: str | None) -> None:
+    async def _settle(
+        self,
+        rule: ResourceRule,
+        upstream: Upstream,
+        resource: str,
+        claim: CleanupClaim,
+        outcome: Outcome,
+        receipt_id: str | None,
+    ) -> None:
         """Count, log and note the attempt's result on the owed row."""
         settings, store = self._app[appkeys.SETTINGS], self._app[appkeys.STORE]
         fence = claim.fence or 0
         result = _result_of(outcome)
         self._app[appkeys.METRICS].cleanups.labels(result).inc()
-        fields = {"resource": resource, "fence": fence, "expired_fence": claim.lease_fence,
-                  "expired_owner": claim.lease_owner, "attempt": claim.attempt,
-                  "receipt_id": receipt_id, "upstream": upstream.name,
-                  "method": rule.on_expiry.method if rule.on_expiry else None,
-                  "status": outcome.http_status, "error": outcome.error}
+        fields = {
+            "resource": resource,
+            "fence": fence,
+            "expired_fence": claim.lease_fence,
+            "expired_owner": claim.lease_owner,
+            "attempt": claim.attempt,
+            "receipt_id": receipt_id,
+            "upstream": upstream.name,
+            "method": rule.on_expiry.method if rule.on_expiry else None,
+            "status": outcome.http_status,
+            "error": outcome.error,
+        }
         if result == "succeeded":
             await store.finish_cleanup(resource, fence, done=True)
             logs.event("cleanup_succeeded", **fields)
         elif result == "unknown":
             await store.finish_cleanup(resource, fence, done=False, error="outcome_unknown")
-            logs.event("cleanup_outcome_unknown", logging.ERROR, **fields,
-                       detail="waiting for the receipt to be reconciled")
+            logs.event(
+                "cleanup_outcome_unknown",
+                logging.ERROR,
+                **fields,
+                detail="waiting for the receipt to be reconciled",
+            )
         else:
             retry_in = min(settings.sweep_interval_s * 2 ** (claim.attempt - 1), MAX_RETRY_S)
-            await store.finish_cleanup(resource, fence, done=False,
-                                       retry_at=time.time() + retry_in,
-                                       error=outcome.error or f"http_{outcome.http_status}")
+            await store.finish_cleanup(
+                resource,
+                fence,
+                done=False,
+                retry_at=time.time() + retry_in,
+                error=outcome.error or f"http_{outcome.http_status}",
+            )
             logs.event("cleanup_failed", logging.ERROR, **fields, retry_in_s=retry_in)
 
-    async def _call(self, rule: ResourceRule, upstream: Upstream, resource: str, fence: int,
-                    key: str, owner: str) -> tuple[Outcome, str | None]:
+    async def _call(
+        self,
+        rule: ResourceRule,
+        upstream: Upstream,
+        resource: str,
+        fence: int,
+        key: str,
+        owner: str,
+    ) -> tuple[Outcome, str | None]:
         """The on_expiry call through the fenced path: place, admit, send once, record."""
         app = self._app
         template = rule.on_expiry
@@ -155,15 +196,31 @@ class Cleaner:
             raise ValueError(f"the rule for {resource!r} has no on_expiry")
         method = template.method
         recorded_path = template.render(resource, fence, key)
-        call = Call(resource=resource, fence=fence, owner=owner, client=None,
-                    upstream=upstream.name, method=method, path=recorded_path,
-                    issuer="gateway", idempotency_key=key,
-                    fingerprint=idempotency.fingerprint(method, upstream.mount + recorded_path,
-                                                        b""),
-                    retry_statuses=rule.idempotency.retry_statuses,
-                    retention_s=rule.idempotency.retention_s)
-        flow = Flow(new_request_id(), upstream=upstream, method=method, rest=recorded_path,
-                    resource=resource, fence=fence, owner=owner, rule=rule, call=call)
+        call = Call(
+            resource=resource,
+            fence=fence,
+            owner=owner,
+            client=None,
+            upstream=upstream.name,
+            method=method,
+            path=recorded_path,
+            issuer="gateway",
+            idempotency_key=key,
+            fingerprint=idempotency.fingerprint(method, upstream.mount + recorded_path, b""),
+            retry_statuses=rule.idempotency.retry_statuses,
+            retention_s=rule.idempotency.retention_s,
+        )
+        flow = Flow(
+            new_request_id(),
+            upstream=upstream,
+            method=method,
+            rest=recorded_path,
+            resource=resource,
+            fence=fence,
+            owner=owner,
+            rule=rule,
+            call=call,
+        )
         async with app[appkeys.LANES].join(resource) as place:
             try:
                 await take_turn(rule, resource, place)
@@ -183,8 +240,13 @@ class Cleaner:
         try:
             await self._app[appkeys.STORE].release(resource, owner, fence)
         except errors.StoreUnavailable as exc:  # the lease runs out by itself
-            logs.event("cleanup_release_failed", logging.WARNING, resource=resource,
-                       fence=fence, error=str(exc))
+            logs.event(
+                "cleanup_release_failed",
+                logging.WARNING,
+                resource=resource,
+                fence=fence,
+                error=str(exc),
+            )
 
 
 def _result_of(outcome: Outcome) -> str:

@@ -51,16 +51,22 @@ def why_not_reconcilable(receipt: Receipt, waits: ReconcileWaits, now: float) ->
     """Why `receipt` cannot be reconciled now, in words for the operator; None when it can."""
     if receipt.status == "reconciled":
         resolution = receipt.resolution or {}
-        return (f"receipt {receipt.id} is already reconciled "
-                f"({resolution.get('outcome')} by {resolution.get('source')})")
+        return (
+            f"receipt {receipt.id} is already reconciled "
+            f"({resolution.get('outcome')} by {resolution.get('source')})"
+        )
     if receipt.status != "outcome_unknown":
-        return (f"receipt {receipt.id} is {receipt.status}: only outcome_unknown receipts are "
-                "reconciled")
+        return (
+            f"receipt {receipt.id} is {receipt.status}: only outcome_unknown receipts are "
+            "reconciled"
+        )
     ready_at = waits.ready_at(receipt.upstream, receipt.forwarded_at, receipt.created_at)
     if not may_resolve(receipt.status, ready_at, now):
-        return (f"receipt {receipt.id} may still be running upstream: it is reconcilable "
-                f"from {rfc3339(ready_at)} (forwarded_at + the upstream's timeout_s + "
-                "GATEWAY_RECONCILE_GRACE_S)")
+        return (
+            f"receipt {receipt.id} may still be running upstream: it is reconcilable "
+            f"from {rfc3339(ready_at)} (forwarded_at + the upstream's timeout_s + "
+            "GATEWAY_RECONCILE_GRACE_S)"
+        )
     return None
 
 
@@ -69,8 +75,9 @@ def metric_source(source: str) -> str:
     return kind if kind in SOURCE_KINDS else "other"
 
 
-async def resolve(app: web.Application, receipt_id: str, outcome: Resolution, source: str,
-                  note: str | None) -> Receipt:
+async def resolve(
+    app: web.Application, receipt_id: str, outcome: Resolution, source: str, note: str | None
+) -> Receipt:
     """Reconcile the receipt atomically in the store; NotFound/NotReconcilable otherwise."""
     store = app[appkeys.STORE]
     waits = wait_times(app)
@@ -82,9 +89,15 @@ async def resolve(app: web.Application, receipt_id: str, outcome: Resolution, so
         detail = why_not_reconcilable(current, waits, time.time()) if current else None
         raise errors.NotReconcilable(detail or f"receipt {receipt_id} is not reconcilable")
     app[appkeys.METRICS].reconciliations.labels(outcome, metric_source(source)).inc()
-    logs.event("receipt_reconciled", receipt_id=receipt_id, resource=result.resource,
-               fence=result.fence, upstream=result.upstream, outcome=outcome,
-               source=source)
+    logs.event(
+        "receipt_reconciled",
+        receipt_id=receipt_id,
+        resource=result.resource,
+        fence=result.fence,
+        upstream=result.upstream,
+        outcome=outcome,
+        source=source,
+    )
     return result
 
 
@@ -111,28 +124,48 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
     if upstream is None or rule is None or rule.probe is None:
         raise errors.NotReconcilable(
             f"the policy has no probe for receipt {receipt_id} (upstream "
-            f"{receipt.upstream}, resource {receipt.resource!r}): resolve it instead")
+            f"{receipt.upstream}, resource {receipt.resource!r}): resolve it instead"
+        )
     template = rule.probe
     request_id = headers.new_request_id()
     # the tool's credentials as on every call, but no key or fence: this is a read
-    sent = upstream_headers(None, upstream, frozenset(), {
-        headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id})
-    target = template.render(receipt.resource, receipt.fence, receipt.idempotency_key or "",
-                             receipt_id)
+    sent = upstream_headers(
+        None,
+        upstream,
+        frozenset(),
+        {headers.RECEIPT_HEADER: receipt_id, headers.REQUEST_ID_HEADER: request_id},
+    )
+    target = template.render(
+        receipt.resource, receipt.fence, receipt.idempotency_key or "", receipt_id
+    )
     deadline = asyncio.get_running_loop().time() + upstream.timeout_s
     try:
-        answer = await app[appkeys.UPSTREAMS].send(upstream, template.method, target, sent, None,
-                                                deadline)
+        answer = await app[appkeys.UPSTREAMS].send(
+            upstream, template.method, target, sent, None, deadline
+        )
     except UpstreamFailure as failure:
-        logs.event("probe_failed", logging.WARNING, receipt_id=receipt_id,
-                   upstream=upstream.name, request_id=request_id, error=failure.error.detail)
+        logs.event(
+            "probe_failed",
+            logging.WARNING,
+            receipt_id=receipt_id,
+            upstream=upstream.name,
+            request_id=request_id,
+            error=failure.error.detail,
+        )
         return {**receipt.to_json(), "probe": {"status": None, "error": failure.error.detail}}
     async with answer:
         status = answer.status
     outcome: Resolution | None = (
-        "applied" if 200 <= status < 300 else "not_applied" if status == 404 else None)
-    logs.event("probe_answered", receipt_id=receipt_id, upstream=upstream.name,
-               request_id=request_id, status=status, outcome=outcome)
+        "applied" if 200 <= status < 300 else "not_applied" if status == 404 else None
+    )
+    logs.event(
+        "probe_answered",
+        receipt_id=receipt_id,
+        upstream=upstream.name,
+        request_id=request_id,
+        status=status,
+        outcome=outcome,
+    )
     if outcome is None:
         current = await app[appkeys.STORE].get_receipt(receipt_id) or receipt
         return {**current.to_json(), "probe": {"status": status}}

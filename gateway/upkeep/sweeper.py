@@ -35,12 +35,12 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
     await store.heartbeat()
     for lease in await store.expire_leases(cleaner.owed_after):
         metrics.held.observe(max(0.0, lease.expires_at - lease.acquired_at))
-        logs.event("lease_expired", resource=lease.resource, fence=lease.fence,
-                   owner=lease.owner)
+        logs.event("lease_expired", resource=lease.resource, fence=lease.fence, owner=lease.owner)
     in_flight_here: set[str] = app[appkeys.IN_FLIGHT]
     in_flight = frozenset(in_flight_here)
-    lost = await store.expire_pending(wait_times(app),
-                                      SILENT_INTERVALS * settings.sweep_interval_s, in_flight)
+    lost = await store.expire_pending(
+        wait_times(app), SILENT_INTERVALS * settings.sweep_interval_s, in_flight
+    )
     count_lost(app, lost)
     await store.prune(settings.receipt_retention_s)
     await cleaner.start_due()
