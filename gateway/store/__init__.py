@@ -9,21 +9,14 @@ from gateway.store.base import Store, StoreUnavailable
 __all__ = ["Store", "StoreUnavailable", "create_store"]
 
 
-def create_store(url: str, *, instance: str, durability: str,
-                 before_commit: Callable[[], None] = lambda: None) -> Store:
+def create_store(
+    url: str, *, instance: str, durability: str, before_commit: Callable[[], None] = lambda: None
+) -> Store:
     """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver."""
     if url.startswith("sqlite:///"):
         from gateway.store.sqlite import SqliteStore, sqlite_path
 
-        return SqliteStore(sqlite_path(url), instance=instance, durability=durability,
-                           before_commit=before_commit)
-    if url.startswith(("postgresql://", "postgres://")):
-        try:
-            from gateway.store.postgres import PostgresStore
-        except ImportError as exc:  # the driver is the `postgres` extra
-            raise ValueError(f"PostgreSQL needs the asyncpg driver: pip install "
-                             f"'fence-gateway[postgres]' ({exc})") from exc
-
-        return PostgresStore(url, instance=instance, durability=durability,
-                             before_commit=before_commit)
-    raise ValueError(f"{url!r}: use sqlite:///PATH, postgresql://… or postgres://…")
+        return SqliteStore(
+            sqlite_path(url), instance=instance, durability=durability, before_commit=before_commit
+        )
+    raise ValueError(f"{url!r}: this build stores on SQLite only (sqlite:///PATH)")
