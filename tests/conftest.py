@@ -1,4 +1,5 @@
-"""Shared fixtures: a recording upstream, gateway subprocesses, and an HTTP client."""
+"""Shared fixtures: a recording upstream, the gateway in process (`make_app`) or as a
+subprocess (`gateway_factory`), and an HTTP client."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.harness import GatewayFactory, GatewayProcess, RecordingUpstream, write_policy
+from gateway.config.clients import load_clients
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.server.app import create_app
+from tests.harness import (
+    AppFactory,
+    GatewayFactory,
+    GatewayProcess,
+    InProcessGateway,
+    RecordingUpstream,
+    write_policy,
+)
 
 
 @pytest.fixture
@@ -17,6 +29,62 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
     """A real aiohttp server on 127.0.0.1 that records every request it receives."""
     async with RecordingUpstream() as server:
         yield server
+
+
+@pytest.fixture
+async def make_app(tmp_path: Path, upstream: RecordingUpstream, aiohttp_client: Any) -> AppFactory:
+    """Build the real app in process on a policy; it is shut down (store closed, sweeper
+    stopped) at teardown.
+
+    `gw = await make_app(policy, clients=None, environ=None, **settings)`:
+
+    * `policy`: a policy document (a dict, written to a file) or the path of one;
+    * `clients`: the clients file, as its YAML text or its path (`GATEWAY_CLIENTS`);
+    * `environ`: what `${NAME}` and `hmac_secret_env` resolve against (default: os.environ);
+    * `settings`: `Settings` fields, over these defaults: the database
+      `sqlite:///{tmp_path}/gw.db`, `instance_id="test-1"`, `sweep_interval_s=0.1`.
+
+    Apps of one test share `tmp_path`'s database unless given their own `database_url`.
+    Returns an `InProcessGateway`: `.client`, `.app`, `.store`, `.upstream`, `.url`, ...
+    """
+    made = 0
+
+    async def make(
+        policy: Mapping[str, Any] | Path,
+        *,
+        clients: str | Path | None = None,
+        environ: Mapping[str, str] | None = None,
+        **settings: Any,
+    ) -> InProcessGateway:
+        nonlocal made
+        made += 1
+        workdir = tmp_path / f"app{made}"
+        workdir.mkdir()
+        policy_path = (
+            policy if isinstance(policy, Path) else write_policy(workdir / "policies.yaml", policy)
+        )
+        options: dict[str, Any] = {
+            "database_url": f"sqlite:///{tmp_path}/gw.db",
+            "policies": str(policy_path),
+            "instance_id": "test-1",
+            "sweep_interval_s": 0.1,
+        }
+        client_set = None
+        if clients is not None:
+            if not isinstance(clients, Path):
+                (workdir / "clients.yaml").write_text(clients)
+                clients = workdir / "clients.yaml"
+            options["clients"] = str(clients)
+            client_set = load_clients(clients)
+        options.update(settings)
+        app = create_app(
+            Settings(_env_file=None, **options),
+            load_policies(policy_path, None if environ is None else dict(environ)),
+            client_set,
+        )
+        return InProcessGateway(await aiohttp_client(app), upstream)
+
+    return make
 
 
 @pytest.fixture

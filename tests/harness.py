@@ -3,7 +3,7 @@
 Nothing here is a mock. `RecordingUpstream` is a real aiohttp server on 127.0.0.1 that records
 what it received and can be scripted per path (delay, gate, status, drop the connection, send
 half a body). `GatewayProcess` runs `python -m gateway serve` exactly as an operator would,
-configured only through `GATEWAY_*` variables (SPEC section 11), so `kill -9` is a real crash
+configured only through `GATEWAY_*` variables (docs/contract.md §11), so `kill -9` is a real crash
 and a restart really reopens the SQLite file.
 
 All clocks are `time.monotonic()` of the test process; the upstream lives in that process, so
@@ -29,7 +29,11 @@ from typing import Any
 import aiohttp
 import yaml
 from aiohttp import web
+from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.proxy import appkeys
+from gateway.store.base import Store
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROBLEM_JSON = "application/problem+json"
@@ -288,7 +292,7 @@ def make_policy(
     max_body_bytes: int = 1_048_576,
     **upstream_extra: Any,
 ) -> dict[str, Any]:
-    """A policy document (SPEC section 8) with one upstream and the given resource rules.
+    """A policy document (docs/contract.md §8) with one upstream and the given resource rules.
 
     Each rule defaults to `upstream: <name>`, `lease: {issuer: external}`,
     `concurrency: parallel` and a short `queue_timeout_s`.
@@ -319,6 +323,87 @@ def write_policy(path: Path, policy: Mapping[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(dict(policy), sort_keys=False))
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# The gateway in process
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class InProcessGateway:
+    """The real app (`create_app`) under aiohttp's test server, as the `make_app` fixture
+    builds it: on a real SQLite file, with its real sweeper, in front of `upstream`.
+
+    `client` is aiohttp's `TestClient` (relative paths: `gw.client.post("/tool/x")`);
+    `url`, `host` and `port` are for raw sockets or another session.
+    """
+
+    client: TestClient
+    upstream: RecordingUpstream
+
+    @property
+    def server(self) -> Any:
+        return self.client.server
+
+    @property
+    def app(self) -> web.Application:
+        return self.client.server.app
+
+    @property
+    def store(self) -> Store:
+        """The app's store (`app[appkeys.STORE]`), open while the app runs."""
+        return self.app[appkeys.STORE]
+
+    @property
+    def host(self) -> str:
+        return self.client.host
+
+    @property
+    def port(self) -> int:
+        return self.client.port
+
+    @property
+    def url(self) -> str:
+        """The gateway's base URL, without a trailing slash."""
+        return str(self.server.make_url("")).rstrip("/")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the app's metrics registry; 0.0 when it was never set."""
+        value = self.app[appkeys.METRICS].registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    async def send(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any, Any]:
+        """(status, headers, JSON body or None when empty) of one request."""
+        async with self.client.request(method, path, **kwargs) as resp:
+            text = await resp.text()
+            return resp.status, resp.headers, json.loads(text) if text else None
+
+    async def acquire(
+        self,
+        resource: str,
+        owner: str = "worker-a",
+        ttl_s: float | None = None,
+        key: str | None = None,
+    ) -> tuple[int, Any, Any]:
+        """POST /_gateway/v1/leases/{resource}: (status, headers, lease or problem)."""
+        body: dict[str, Any] = {"owner": owner}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        headers = {"Idempotency-Key": key} if key else {}
+        async with self.client.post(
+            f"/_gateway/v1/leases/{resource}", json=body, headers=headers
+        ) as resp:
+            return resp.status, resp.headers, await resp.json(content_type=None)
+
+    async def receipt(self, receipt_id: str) -> dict[str, Any]:
+        """GET /_gateway/v1/receipts/{id}: the receipt record."""
+        async with self.client.get(f"/_gateway/v1/receipts/{receipt_id}") as resp:
+            return await resp.json()  # type: ignore[no-any-return]
+
+
+AppFactory = Callable[..., Awaitable[InProcessGateway]]
+"""The `make_app` fixture: `await make_app(policy, clients=..., environ=..., **settings)`."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The command line as an operator runs it: `python -m gateway ...` in a subprocess.
 
-SPEC section 12 (commands; bad arguments or configuration: a one-line message on stderr and
-exit status 2) and section 8 (`check-policies`: an error names the file, the line and the
+docs/contract.md §12 (commands; bad arguments or configuration: a one-line message on stderr and
+exit status 2) and §8 (`check-policies`: an error names the file, the line and the
 field).
 """
 

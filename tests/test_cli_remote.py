@@ -1,4 +1,5 @@
-"""`fence-gateway leases list` and `receipts list|show|resolve` against a running gateway (SPEC 12).
+"""`fence-gateway leases list` and `receipts list|show|resolve` against a running gateway
+(docs/contract.md §12).
 
 The command runs as a real subprocess (`python -m gateway`), the gateway as another, and the
 tool is the recording upstream; where the test needs to see what the command sent (its key),

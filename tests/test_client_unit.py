@@ -1,4 +1,5 @@
-"""gateway.client against a small real gateway: lease endpoints of SPEC 6 and one proxied tool.
+"""gateway.client against a small real gateway: lease endpoints of docs/contract.md §6 and one
+proxied tool.
 
 The fake answers like the gateway does (201/200/409 lease_held with Retry-After, 409
 lease_lost, problem+json stale_fence) and records every request it receives, so "nothing was
@@ -39,12 +40,20 @@ def _iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
-def _problem(status: int, code: str, headers: dict[str, str] | None = None,
-             **extra: Any) -> web.Response:
-    body = {"type": f"urn:fence-gateway:{code}", "title": code, "status": status, "code": code,
-            "detail": f"fake {code}", **extra}
-    return web.json_response(body, status=status, headers=headers,
-                             content_type="application/problem+json")
+def _problem(
+    status: int, code: str, headers: dict[str, str] | None = None, **extra: Any
+) -> web.Response:
+    body = {
+        "type": f"urn:fence-gateway:{code}",
+        "title": code,
+        "status": status,
+        "code": code,
+        "detail": f"fake {code}",
+        **extra,
+    }
+    return web.json_response(
+        body, status=status, headers=headers, content_type="application/problem+json"
+    )
 
 
 @dataclass
@@ -85,16 +94,25 @@ class FakeGateway:
 
     def hold(self, resource: str, owner: str, ttl_s: float) -> None:
         fence = self.fences[resource] = self.fences.get(resource, 0) + 1
-        self.leases[resource] = FakeLease(owner, fence, time.monotonic() + ttl_s, None,
-                                          datetime.now(UTC))
+        self.leases[resource] = FakeLease(
+            owner, fence, time.monotonic() + ttl_s, None, datetime.now(UTC)
+        )
 
     def app(self) -> web.Application:
         @web.middleware
         async def record(request: web.Request, handler: Any) -> web.StreamResponse:
             raw = await request.read()
             body = await request.json() if raw else None
-            self.seen.append(Seen(request.method, request.path, dict(request.headers),
-                                  dict(request.query), body, time.monotonic()))
+            self.seen.append(
+                Seen(
+                    request.method,
+                    request.path,
+                    dict(request.headers),
+                    dict(request.query),
+                    body,
+                    time.monotonic(),
+                )
+            )
             return await handler(request)
 
         app = web.Application(middlewares=[record])
@@ -107,10 +125,15 @@ class FakeGateway:
         start = lease.renewed_at or lease.acquired_at
         expires_at = datetime.now(UTC) + timedelta(seconds=ttl)
         state = "held" if ttl > 0 else "expired"
-        return {"resource": resource, "owner": lease.owner, "fence": lease.fence,
-                "state": state, "acquired_at": _iso(lease.acquired_at),
-                "renewed_at": _iso(start) if lease.renewed_at else None,
-                "expires_at": _iso(max(expires_at, start))}
+        return {
+            "resource": resource,
+            "owner": lease.owner,
+            "fence": lease.fence,
+            "state": state,
+            "acquired_at": _iso(lease.acquired_at),
+            "renewed_at": _iso(start) if lease.renewed_at else None,
+            "expires_at": _iso(max(expires_at, start)),
+        }
 
     async def leases_api(self, request: web.Request) -> web.StreamResponse:
         resource = request.match_info["resource"]
@@ -135,10 +158,16 @@ class FakeGateway:
         if request.method == "PUT":
             body = await request.json()
             if self.renew_status is not None:
-                return _problem(self.renew_status, "lease_lost" if self.renew_status == 409
-                                else "store_unavailable")
-            if lease is None or lease.expires <= now or lease.fence != body["fence"] \
-                    or lease.owner != body["owner"]:
+                return _problem(
+                    self.renew_status,
+                    "lease_lost" if self.renew_status == 409 else "store_unavailable",
+                )
+            if (
+                lease is None
+                or lease.expires <= now
+                or lease.fence != body["fence"]
+                or lease.owner != body["owner"]
+            ):
                 return _problem(409, "lease_lost")
             lease.expires, lease.renewed_at = now + body.get("ttl_s", 30), datetime.now(UTC)
             return web.json_response(self._doc(resource, lease))
@@ -207,22 +236,26 @@ class TestRenewDelay:
 class TestRenewal:
     """A held lease renews itself in the background and stays usable past its first TTL."""
 
-    async def test_renews_at_about_a_third_of_the_ttl(self, client: GatewayClient,
-                                                      fake: FakeGateway) -> None:
+    async def test_renews_at_about_a_third_of_the_ttl(
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         async with client.lease(RESOURCE, owner="run-1", ttl_s=0.6) as lease:
             await asyncio.sleep(0.9)
             assert not lease.lost and lease.fence == 1
             assert (await lease.post("/tool/send")).status == 200
         acquired, renewals = fake.of("POST", LEASE_PATH)[0], fake.of("PUT", LEASE_PATH)
         assert [r.body for r in renewals] == [{"owner": "run-1", "fence": 1, "ttl_s": 0.6}] * len(
-            renewals)
+            renewals
+        )
         assert 3 <= len(renewals) <= 5
         gaps = [b.at - a.at for a, b in zip([acquired, *renewals], renewals, strict=False)]
-        assert all(0.2 * (1 - RENEW_JITTER) - 0.02 <= g <= 0.2 * (1 + RENEW_JITTER) + 0.05
-                   for g in gaps), gaps
+        assert all(
+            0.2 * (1 - RENEW_JITTER) - 0.02 <= g <= 0.2 * (1 + RENEW_JITTER) + 0.05 for g in gaps
+        ), gaps
 
     async def test_workers_acquired_together_renew_at_different_moments(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         leases = [client.lease(f"chat/room-{i}", owner="w", ttl_s=0.9) for i in range(20)]
         await asyncio.gather(*(lease.acquire() for lease in leases))
         await asyncio.sleep(0.4)
@@ -232,7 +265,8 @@ class TestRenewal:
         assert firsts[-1] - firsts[0] > 0.02  # a band of ±0.045 s, not one instant
 
     async def test_local_deadline_counts_from_when_the_acquire_was_sent(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         fake.acquire_delay_s = 0.25
         lease = client.lease(RESOURCE, owner="run-1", ttl_s=1.0, auto_renew=False)
         await lease.acquire()
@@ -244,7 +278,8 @@ class TestLeaseLost:
     """Once lost, a fenced call raises LeaseLost and no request leaves the process."""
 
     async def test_renewal_refused_marks_the_lease_lost(
-            self, client: GatewayClient, fake: FakeGateway, traced: Any) -> None:
+        self, client: GatewayClient, fake: FakeGateway, traced: Any
+    ) -> None:
         _, started = traced
         async with client.lease(RESOURCE, owner="run-1", ttl_s=0.6) as lease:
             fake.renew_status = 409
@@ -259,7 +294,8 @@ class TestLeaseLost:
         assert fake.of("POST", "/tool/send") == []
 
     async def test_deadline_passing_while_renewals_fail_marks_it_lost(
-            self, client: GatewayClient, fake: FakeGateway, traced: Any) -> None:
+        self, client: GatewayClient, fake: FakeGateway, traced: Any
+    ) -> None:
         _, started = traced
         async with client.lease(RESOURCE, owner="run-1", ttl_s=0.5) as lease:
             fake.renew_status = 503
@@ -276,7 +312,8 @@ class TestLeaseLost:
         assert fake.of("PUT", "/tool/send") == []
 
     async def test_without_renewal_the_lease_is_lost_at_its_ttl(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         async with client.lease(RESOURCE, owner="run-1", ttl_s=0.3, auto_renew=False) as lease:
             assert (await lease.post("/tool/send")).status == 200
             await asyncio.sleep(0.35)
@@ -288,7 +325,8 @@ class TestLeaseLost:
         assert fake.of("PUT") == []
 
     async def test_a_stale_fence_answer_marks_the_lease_lost(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         async with client.lease(RESOURCE, owner="run-1", ttl_s=30) as lease:
             fake.hold(RESOURCE, "run-2", 30)  # taken over behind the client's back
             with pytest.raises(LeaseLost) as caught:
@@ -301,7 +339,8 @@ class TestLeaseLost:
         assert fake.of("DELETE") == []  # its release would only be refused
 
     async def test_after_release_the_lease_cannot_act(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         async with client.lease(RESOURCE, owner="run-1", ttl_s=30) as lease:
             pass
         [release] = fake.of("DELETE", LEASE_PATH)
@@ -315,7 +354,8 @@ class TestFencedCalls:
     """Fenced calls carry the lease headers; upstream answers come back as values."""
 
     async def test_headers_of_api_and_proxied_calls(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         async with client.lease(RESOURCE, owner="run-1", ttl_s=30) as lease:
             resp = await lease.post("/tool/send", json={"text": "hi"})
         assert (resp.status, resp.json(), resp.receipt_id) == (200, {"ok": True}, "r-1")
@@ -324,8 +364,12 @@ class TestFencedCalls:
         assert "Proxy-Authorization" not in acquire.headers
         assert acquire.body == {"owner": "run-1", "ttl_s": 30}
         [call] = fake.of("POST", "/tool/send")
-        wanted = {"X-Lease-Resource": RESOURCE, "X-Fence-Token": "1", "X-Lease-Owner": "run-1",
-                  "Proxy-Authorization": "Bearer sekret"}
+        wanted = {
+            "X-Lease-Resource": RESOURCE,
+            "X-Fence-Token": "1",
+            "X-Lease-Owner": "run-1",
+            "Proxy-Authorization": "Bearer sekret",
+        }
         assert {k: call.headers.get(k) for k in wanted} == wanted
         assert "Authorization" not in call.headers and call.body == {"text": "hi"}
 
@@ -336,9 +380,14 @@ class TestFencedCalls:
 
     def test_fenced_headers_for_external_fences(self) -> None:
         assert fenced_headers("deploy/prod", 184, owner="run-8f21") == {
-            "X-Lease-Resource": "deploy/prod", "X-Fence-Token": "184", "X-Lease-Owner": "run-8f21"}
+            "X-Lease-Resource": "deploy/prod",
+            "X-Fence-Token": "184",
+            "X-Lease-Owner": "run-8f21",
+        }
         assert fenced_headers("deploy/prod", 2**63 - 1) == {
-            "X-Lease-Resource": "deploy/prod", "X-Fence-Token": str(2**63 - 1)}
+            "X-Lease-Resource": "deploy/prod",
+            "X-Fence-Token": str(2**63 - 1),
+        }
         for bad in (0, -1, 2**63, True, "7"):
             with pytest.raises(ValueError):
                 fenced_headers("deploy/prod", bad)  # type: ignore[arg-type]
@@ -348,7 +397,8 @@ class TestAcquire:
     """Acquire retries politely on lease_held and safely when an answer is lost."""
 
     async def test_waits_for_retry_after_then_takes_over(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         fake.hold(RESOURCE, "run-old", 0.4)
         started = time.monotonic()
         async with client.lease(RESOURCE, owner="run-1", ttl_s=5, acquire_timeout_s=5) as lease:
@@ -358,8 +408,7 @@ class TestAcquire:
         first, second = fake.of("POST", LEASE_PATH)
         assert first.headers["Idempotency-Key"] != second.headers["Idempotency-Key"]
 
-    async def test_gives_up_with_lease_held(self, client: GatewayClient,
-                                            fake: FakeGateway) -> None:
+    async def test_gives_up_with_lease_held(self, client: GatewayClient, fake: FakeGateway) -> None:
         fake.hold(RESOURCE, "run-old", 30)
         started = time.monotonic()
         with pytest.raises(LeaseHeld) as caught:
@@ -367,11 +416,16 @@ class TestAcquire:
         assert 0.3 <= time.monotonic() - started < 0.6
         held = caught.value
         assert (held.status, held.code, held.holder, held.retry_after) == (
-            409, "lease_held", "run-old", 30.0)
+            409,
+            "lease_held",
+            "run-old",
+            30.0,
+        )
         assert len(fake.of("POST", LEASE_PATH)) == 2  # the first try and one at the deadline
 
     async def test_a_lost_answer_is_retried_with_the_same_key(
-            self, client: GatewayClient, fake: FakeGateway) -> None:
+        self, client: GatewayClient, fake: FakeGateway
+    ) -> None:
         fake.drop_first_acquire = True
         async with client.lease(RESOURCE, owner="run-1", ttl_s=30) as lease:
             assert lease.fence == 1
@@ -379,13 +433,15 @@ class TestAcquire:
         assert first.headers["Idempotency-Key"] == second.headers["Idempotency-Key"]
         assert fake.fences[RESOURCE] == 1
 
-    async def test_a_refusal_is_not_retried(self, client: GatewayClient,
-                                            fake: FakeGateway) -> None:
+    async def test_a_refusal_is_not_retried(self, client: GatewayClient, fake: FakeGateway) -> None:
         with pytest.raises(GatewayError) as caught:
             await client.lease("mail/inbox-1", owner="run-1").acquire()
         refusal = caught.value
         assert (type(refusal), refusal.status, refusal.code) == (
-            GatewayError, 403, "resource_not_allowed")
+            GatewayError,
+            403,
+            "resource_not_allowed",
+        )
         assert len(fake.of("POST")) == 1
 
 
@@ -405,19 +461,34 @@ class DropsReusedConnections:
             for turn in (1, 2):
                 head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
                 method, target, _ = head[0].split(" ", 2)
-                length = next((int(line.split(":", 1)[1]) for line in head[1:]
-                               if line.lower().startswith("content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(":", 1)[1])
+                        for line in head[1:]
+                        if line.lower().startswith("content-length:")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
                 self.received.append(f"{method} {target}")
                 if turn == 2:
                     return
                 now = _iso(datetime.now(UTC))
-                body = json.dumps({"resource": RESOURCE, "owner": "run-1", "fence": 1,
-                                   "state": "held", "acquired_at": now, "renewed_at": None,
-                                   "expires_at": _iso(datetime.now(UTC) + timedelta(seconds=30))
-                                   }).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                body = json.dumps(
+                    {
+                        "resource": RESOURCE,
+                        "owner": "run-1",
+                        "fence": 1,
+                        "state": "held",
+                        "acquired_at": now,
+                        "renewed_at": None,
+                        "expires_at": _iso(datetime.now(UTC) + timedelta(seconds=30)),
+                    }
+                ).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return
@@ -432,13 +503,19 @@ class TestSentAtMostOnce:
         tool = DropsReusedConnections()
         server = await asyncio.start_server(tool.serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        async with server, GatewayClient(f"http://127.0.0.1:{port}", key="k") as gw, \
-                gw.lease(RESOURCE, owner="run-1", ttl_s=30, auto_renew=False) as lease:
+        async with (
+            server,
+            GatewayClient(f"http://127.0.0.1:{port}", key="k") as gw,
+            gw.lease(RESOURCE, owner="run-1", ttl_s=30, auto_renew=False) as lease,
+        ):
             try:  # goes out on the acquire's keep-alive connection, which then dies
                 await lease.put("/tool/send", json={"text": "hi"})
                 answered = True
             except aiohttp.ServerDisconnectedError:
                 answered = False
-        assert tool.received == [f"POST {LEASE_PATH}", "PUT /tool/send",
-                                 f"DELETE {LEASE_PATH}?owner=run-1&fence=1"]
+        assert tool.received == [
+            f"POST {LEASE_PATH}",
+            "PUT /tool/send",
+            f"DELETE {LEASE_PATH}?owner=run-1&fence=1",
+        ]
         assert not answered  # the caller learns the outcome is unknown; retrying is its call

@@ -19,4 +19,16 @@ def create_store(
         return SqliteStore(
             sqlite_path(url), instance=instance, durability=durability, before_commit=before_commit
         )
-    raise ValueError(f"{url!r}: this build stores on SQLite only (sqlite:///PATH)")
+    if url.startswith(("postgresql://", "postgres://")):
+        try:
+            from gateway.store.postgres import PostgresStore
+        except ImportError as exc:  # the driver is the `postgres` extra
+            raise ValueError(
+                f"PostgreSQL needs the asyncpg driver: pip install "
+                f"'fence-gateway[postgres]' ({exc})"
+            ) from exc
+
+        return PostgresStore(
+            url, instance=instance, durability=durability, before_commit=before_commit
+        )
+    raise ValueError(f"{url!r}: use sqlite:///PATH, postgresql://… or postgres://…")

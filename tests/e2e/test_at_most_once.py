@@ -1,8 +1,8 @@
 """Each admitted call is sent upstream at most once, also when the connection drops mid-call.
 
-SPEC section 2 ("the gateway never retries by itself"; aiohttp's client silently resends
+docs/contract.md §2 ("the gateway never retries by itself"; aiohttp's client silently resends
 idempotent methods on a reused keep-alive connection unless told not to) and the outcome table
-of section 3 ("reset or broken answer after the request was sent": `outcome_unknown`,
+of §3 ("reset or broken answer after the request was sent": `outcome_unknown`,
 `502 upstream_outcome_unknown`).
 """
 

@@ -1,20 +1,24 @@
-"""Malformed calls are refused with the SPEC's status and code, and never reach the tool.
+"""Malformed calls are refused with the contract's status and code, and never reach the tool.
 
-SPEC section 3 steps 2, 3, 3a and 3b (in that order), section 2 (routing, methods, upgrades,
-dot segments, body limits) and section 5 (problem+json, never a 5xx for a bad request).
+docs/contract.md §3 steps 2, 3, 3a and 3b (in that order), §2 (routing, methods, upgrades,
+dot segments, body limits) and §5 (problem+json, never a 5xx for a bad request).
 Requests go out as raw bytes so that nothing (duplicate headers, dot segments, non-ASCII
-digits, empty values) is normalised away by a client library.
+digits, empty values) is normalised away by a client library. The gateway runs as a
+subprocess, except in the last classes, which run it in process (`make_app`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 
 import pytest
 
 from tests.harness import (
+    AppFactory,
     GatewayFactory,
     GatewayProcess,
+    InProcessGateway,
     RecordingUpstream,
     build_raw,
     chunked,
@@ -290,7 +294,7 @@ class TestOtherHeaders:
         assert results == expected
         assert_clean(gateway, upstream, results)
 
-        # Resource and fence were readable: each failure left a rejected receipt (SPEC 3).
+        # Resource and fence were readable: each failure left a rejected receipt (§3).
         receipts = await fetch_receipts(session, gateway.url, resource=RESOURCE)
         fields = ("resource", "fence", "status", "reject_code", "attempt", "forwarded_at")
         assert sorted(
@@ -322,7 +326,7 @@ class TestOtherHeaders:
 
 
 class TestRoutingAndMethods:
-    """Section 2: routes, TRACE, upgrades and dot segments, fenced or not."""
+    """§2: routes, TRACE, upgrades and dot segments, fenced or not."""
 
     async def test_refused_routes_methods_and_paths(self, gateway, upstream, session) -> None:
         cases: list[tuple[str, str, str, Headers, bytes]] = [
@@ -371,7 +375,7 @@ class TestRoutingAndMethods:
 
 
 class TestBodyLimit:
-    """Section 2 and step 3b: a body over `max_body_bytes` is refused, with or without a length."""
+    """§2 and §3 step 3b: a body over `max_body_bytes` is refused, with or without a length."""
 
     async def test_body_over_the_limit(self, gateway, upstream, session) -> None:
         too_big = b"x" * (MAX_BODY + 1)
@@ -410,3 +414,59 @@ class TestBodyLimit:
             ("/api/exact", exact),
             ("/api/exact-chunked", exact),
         ]
+
+
+# --------------------------------------------------------------------------------------------
+# In process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGateway:
+    """`shared/*` unsigned and `signed/*` with an HMAC secret, on one upstream."""
+    policy = make_policy(
+        upstream.url,
+        [
+            {"match": "shared/*"},
+            {"match": "signed/*", "lease": {"issuer": "external", "hmac_secret_env": "SECRET"}},
+        ],
+        timeout_s=1,
+    )
+    return await make_app(policy, environ={"SECRET": "s"})
+
+
+class TestConnectMethod:
+    """§2: CONNECT in authority form is refused `405`, never tunnelled and never a 500."""
+
+    async def test_connect_in_authority_form_is_405(self, gw):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"405"
+
+
+class TestNonUtf8HeaderBytes:
+    """§3 and §5: header bytes that are not UTF-8 are refused by the check that reads them
+    (`400` for an owner, `403` for a signature), never a 500, and never forwarded."""
+
+    @pytest.mark.parametrize(
+        ("resource", "header", "status"),
+        [
+            (b"shared/g", b"X-Lease-Owner: \xff", b"400"),  # the owner check refuses it
+            (b"signed/g", b"X-Fence-Signature: \xff", b"403"),  # the signature check does
+        ],
+    )
+    async def test_non_utf8_header_bytes_are_no_500(self, gw, upstream, resource, header, status):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(
+            b"POST /tool/x HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: "
+            + resource
+            + b"\r\nX-Fence-Token: 1\r\n"
+            + header
+            + b"\r\nContent-Length: 0\r\n\r\n"
+        )
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == status
+        assert upstream.received() == []

@@ -1,8 +1,8 @@
 """A gateway killed with `kill -9` mid-call: nothing lost, nothing left pending, fences kept.
 
-SPEC section 3 (outcome table: "the gateway died before recording the outcome"), section 9
+docs/contract.md §3 (outcome table: "the gateway died before recording the outcome"), §9
 (recovery turns every `pending` receipt of earlier runs of a SQLite database `outcome_unknown`)
-and section 1 (a fence survives restarts).
+and §1 (a fence survives restarts).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class TestKill9WithCallsInFlight:
         upstream.default = Behavior()
         await gateway.restart()
 
-        # SPEC 9: at start, every `pending` receipt of earlier runs of a SQLite database is
-        # turned `outcome_unknown`; allow one sweep interval for it to become visible.
+        # docs/contract.md §9: at start, every `pending` receipt of earlier runs of a SQLite
+        # database is turned `outcome_unknown`; allow one sweep interval for it to become visible.
         deadline = time.monotonic() + sweep_s + 0.5
         receipts = await fetch_receipts(session, gateway.url, resource=resource)
         while any(r["status"] == "pending" for r in receipts) and time.monotonic() < deadline:

@@ -1,8 +1,9 @@
-"""Crashes and store failures at the exact points SPEC 3 reasons about, via GATEWAY_FAILPOINTS.
+"""Crashes and store failures at the exact points docs/contract.md §3 reasons about, via
+GATEWAY_FAILPOINTS.
 
-SPEC section 11 (`after_admit`, `after_upstream`, `in_commit` with `crash` or `error`),
-section 3 (step 6 fails closed; "Outcome": a lost outcome write still answers, with
-`X-Receipt-Outcome: unrecorded`, and the receipt stays `pending`) and section 9 (recovery
+§11 (`after_admit`, `after_upstream`, `in_commit` with `crash` or `error`),
+§3 (step 6 fails closed; "Outcome": a lost outcome write still answers, with
+`X-Receipt-Outcome: unrecorded`, and the receipt stays `pending`) and §9 (recovery
 turns every `pending` receipt of an earlier run `outcome_unknown`; the sweeper turns one
 older than `timeout_s` + `GATEWAY_RECONCILE_GRACE_S` `outcome_unknown`).
 """

@@ -1,6 +1,6 @@
 """Fencing with external tokens, end to end: real gateway process, real upstream, real SQLite.
 
-SPEC section 3 step 4 (`external` issuer) and section 1: a paused former owner can no longer act,
+docs/contract.md §3 step 4 (`external` issuer) and §1: a paused former owner can no longer act,
 whatever it believes; the upstream never sees a fence lower than one it already saw.
 """
 
@@ -198,7 +198,8 @@ class TestPausedOwnerIsFencedOut:
         assert b_result.headers.get("X-Receipt-Id") == b_receipt["id"]
         assert forwarded.headers.get("X-Receipt-Id") == b_receipt["id"]
 
-        # SPEC section 4: derived key and fingerprint over method, target (mount included), body.
+        # docs/contract.md §4: derived key and fingerprint over method, target (mount included),
+        # body.
         digest_input = f"POST\n{target}\n".encode() + body
         assert fingerprint == "sha256:" + hashlib.sha256(digest_input).hexdigest()
         derived = hashlib.sha256(f"{resource}\n".encode() + digest_input).hexdigest()[:32]

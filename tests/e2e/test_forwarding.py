@@ -1,7 +1,7 @@
 """What the tool receives and what the client gets back, through the real gateway process.
 
-SPEC section 2 (routing: the path after the mount forwarded exactly, longest mount, Host from
-the upstream URL, bodies byte for byte, redirects passed back, at most once) and section 3
+docs/contract.md §2 (routing: the path after the mount forwarded exactly, longest mount, Host from
+the upstream URL, bodies byte for byte, redirects passed back, at most once) and §3
 ("Forwarded upstream", "Answered to the client", and the outcome table). Every check reads
 what a real upstream server received and what a real client got, never the gateway's code.
 """
@@ -98,7 +98,7 @@ def seen(rec: Recorded, names: Iterable[str]) -> dict[str, list[str]]:
 
 
 def derived_key(resource: str, method: str, target: str, body: bytes) -> str:
-    """SPEC 4: `gw-` + hex(sha256(resource, method, target, body))[:32]."""
+    """docs/contract.md §4: `gw-` + hex(sha256(resource, method, target, body))[:32]."""
     digest = hashlib.sha256(f"{resource}\n{method}\n{target}\n".encode() + body)
     return "gw-" + digest.hexdigest()[:32]
 
@@ -150,7 +150,7 @@ class TestPaths:
             ("POST", f"/api{odd}"),
         ]
         receipt = await get_receipt(session, gateway, fenced.headers["X-Receipt-Id"])
-        # SPEC 7: `path` is what follows the mount, with the query, as received.
+        # docs/contract.md §7: `path` is what follows the mount, with the query, as received.
         assert pick(receipt, ("path", "status", "fingerprint")) == {
             "path": odd,
             "status": "succeeded",
@@ -397,7 +397,8 @@ class TestRequestHeaders:
 
 
 class TestFencedCallHeaders:
-    """SPEC 3: what the gateway sets for the tool and for the client on an admitted call."""
+    """docs/contract.md §3: what the gateway sets for the tool and for the client on an admitted
+    call."""
 
     UPSTREAM_NAMES = (
         "Idempotency-Key",
@@ -550,7 +551,7 @@ class TestBodies:
                 "Content-Length": [str(len(compressed))],
             }
         receipt = await get_receipt(session, gateway, fenced.headers["X-Receipt-Id"])
-        # SPEC 4: the fingerprint is over the bytes received, not decompressed.
+        # docs/contract.md §4: the fingerprint is over the bytes received, not decompressed.
         assert receipt["fingerprint"] == fingerprint("POST", "/tool/zip", compressed)
 
     async def test_gzip_response_body_reaches_the_client_identical(
@@ -1025,7 +1026,8 @@ class TestBodyLimits:
             "code": "request_timeout",
         }
         assert upstream.requests == []
-        # SPEC 3: a failure at step 3b, resource and fence readable, leaves a rejected receipt.
+        # docs/contract.md §3: a failure at step 3b, resource and fence readable, leaves a
+        # rejected receipt.
         receipts = await fetch_receipts(session, gateway.url, resource=RESOURCE)
         fields = ("status", "reject_code", "http_status", "fence", "path", "forwarded_at")
         assert [pick(r, fields) for r in receipts] == [

@@ -1,5 +1,5 @@
-"""SPEC 4 end to end: every row of the idempotency table, against the gateway as a subprocess
-and a real upstream that counts what reaches it.
+"""docs/contract.md §4 end to end: every row of the idempotency table, against the gateway as a
+subprocess and a real upstream that counts what reaches it.
 
 The upstream's count is the point of every test here: a replay, a refusal or an in-flight
 answer must never reach the tool, and a "new attempt" must reach it once more with the same
@@ -99,7 +99,7 @@ RECEIPT_FIELDS = ("status", "attempt", "http_status", "reject_code", "idempotenc
 
 
 class TestTheTable:
-    """Each row of the SPEC 4 table, with what reached the tool."""
+    """Each row of the §4 table, with what reached the tool."""
 
     async def test_a_different_fingerprint_is_refused_whatever_the_state(
         self, upstream: RecordingUpstream, gateway_factory: GatewayFactory, session
@@ -514,7 +514,7 @@ class TestKeysAcrossOwners:
 
 
 class TestRetention:
-    """SPEC 4: a key is kept `retention_s` after its receipt completed, then forgotten."""
+    """§4: a key is kept `retention_s` after its receipt completed, then forgotten."""
 
     async def test_a_key_past_retention_is_a_new_attempt_counted_after_the_old_ones(
         self, upstream: RecordingUpstream, gateway_factory: GatewayFactory, session

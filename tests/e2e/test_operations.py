@@ -1,9 +1,11 @@
 """Running the gateway: shutdown, start-up refusals, the HTTP edges, and what operators read.
 
-SPEC section 9 (SIGTERM drains calls in flight and exits 0; a second process on one SQLite
-file refuses to start), section 10 (healthz, readyz, metrics, JSON logs, the open-bind
-refusal), section 5 (oversized heads, parser refusals, the head timeout) and section 7 (bad
-receipt-list parameters are `400 invalid_request`).
+docs/contract.md §9 (SIGTERM drains calls in flight and exits 0; a second process on one
+SQLite file refuses to start), §10 (healthz, readyz, metrics, JSON logs, the open-bind
+refusal), §5 (oversized heads, parser refusals, the head and body timeouts) and §7 (bad
+receipt-list parameters are `400 invalid_request`). The gateway runs as a subprocess, except
+in the last classes, which run it in process (`make_app`) to read its metrics registry or to
+start it on a store written beforehand.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.store.sqlite import SqliteStore
 from tests.harness import (
+    AppFactory,
     Behavior,
     GatewayFactory,
     GatewayProcess,
     GatewayStartError,
+    InProcessGateway,
     RecordingUpstream,
     build_raw,
     call,
@@ -37,6 +42,7 @@ from tests.harness import (
     raw_request,
     write_policy,
 )
+from tests.store.test_contract import call as store_call
 
 RESOURCE = "ops/r1"
 
@@ -248,7 +254,7 @@ class TestHttpEdges:
 # Operator endpoints
 # --------------------------------------------------------------------------------------------
 
-SPEC_FAMILIES = {
+CONTRACT_FAMILIES = {
     "fence_gateway_requests_total": "counter",
     "fence_gateway_rejections_total": "counter",
     "fence_gateway_lease_acquisitions_total": "counter",
@@ -315,7 +321,7 @@ class TestOperatorEndpoints:
             for line in text.splitlines()
             if line.startswith("# TYPE")
         }
-        assert {name: types.get(name) for name in SPEC_FAMILIES} == SPEC_FAMILIES
+        assert {name: types.get(name) for name in CONTRACT_FAMILIES} == CONTRACT_FAMILIES
 
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
@@ -449,3 +455,70 @@ class TestJsonLogs:
         }
         assert credential not in text
         assert body_marker not in text
+
+
+# --------------------------------------------------------------------------------------------
+# In process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGateway:
+    """`shared/*` fenced externally and `run/*` leased by the gateway, with a 0.5 s body
+    timeout."""
+    policy = make_policy(
+        upstream.url,
+        [
+            {"match": "shared/*"},
+            {"match": "run/*", "lease": {"issuer": "gateway", "ttl_s": 0.3, "max_ttl_s": 5}},
+        ],
+        timeout_s=1,
+    )
+    return await make_app(policy, body_timeout_s=0.5, reconcile_grace_s=0)
+
+
+class TestApiInputEdges:
+    """§5 and §7: gateway API input the store or the parser cannot take is a problem+json
+    4xx, never a 500."""
+
+    async def test_a_receipt_list_bound_too_large_for_the_store_is_400(self, gw):
+        async with gw.client.get("/_gateway/v1/receipts?fence_min=9999999999999999999") as r:
+            assert (r.status, (await r.json())["code"]) == (400, "invalid_request")
+
+    async def test_a_trickled_api_body_times_out(self, gw):
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(
+            b"POST /_gateway/v1/leases/run/d HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        )
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"408"
+
+
+class TestMetricsInProcess:
+    """§10: every call is counted by what the gateway did with it, refusals before routing to
+    a rule and outcomes lost to a restart included."""
+
+    async def test_refusals_before_routing_by_rule_are_counted(self, gw):
+        async with gw.client.post("/tool/x", headers={"X-Fence-Token": "1"}) as r:
+            assert r.status == 428
+        assert (
+            gw.metric("fence_gateway_rejections_total", upstream="tool", code="missing_resource")
+            == 1
+        )
+
+    async def test_a_tools_own_replay_header_is_not_a_gateway_replay(self, gw, upstream):
+        upstream.script("/api/pay", Behavior(headers={"Idempotent-Replayed": "true"}))
+        async with gw.client.post("/tool/pay", headers=fenced_headers("shared/f", 1)) as answer:
+            assert answer.status == 200
+        assert gw.metric("fence_gateway_requests_total", upstream="tool", result="forwarded") == 1
+
+    async def test_recovery_counts_lost_outcomes(self, tmp_path, upstream, make_app):
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        await store.admit(store_call(1))
+        await store.close()
+        gw = await make_app(
+            make_policy(upstream.url, [{"match": "acct/*"}]), instance_id="two", sweep_interval_s=1
+        )
+        assert gw.metric("fence_gateway_outcome_unknown_total", upstream="tool") == 1

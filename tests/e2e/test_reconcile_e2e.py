@@ -1,4 +1,5 @@
-"""Reconciling lost outcomes end to end (SPEC 3 "late outcomes", SPEC 7 resolve, probe, lists).
+"""Reconciling lost outcomes end to end (docs/contract.md §3 "late outcomes", §7 resolve, probe,
+lists).
 
 The tool here is a small ledger on the recording upstream: it stores operations by their
 Idempotency-Key and answers `GET /operations/{key}` with 200 or 404, which is what the policy's
@@ -19,24 +20,20 @@ import asyncio
 import json
 import logging
 import re
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from gateway.config.policy_files import load_policies
-from gateway.config.settings import Settings
 from gateway.core.receipts import ReconcileWaits
-from gateway.proxy import appkeys
-from gateway.server.app import create_app
 from tests.harness import (
+    AppFactory,
     Behavior,
     CallResult,
     GatewayFactory,
     GatewayProcess,
+    InProcessGateway,
     Recorded,
     RecordingUpstream,
     call,
@@ -45,7 +42,6 @@ from tests.harness import (
     make_policy,
     pick,
     problem,
-    write_policy,
 )
 
 TIMEOUT_S = 0.5
@@ -477,45 +473,38 @@ class TestReceiptPages:
 
 
 class TestLateOutcomes:
-    """SPEC 3: an outcome arriving after the receipt was turned outcome_unknown.
+    """docs/contract.md §3: an outcome arriving after the receipt was turned outcome_unknown.
 
     In process, so the test can act as another replica on the same store while a call is
     held at the tool: its sweeper deciding this instance is silent, its reconciler resolving.
     """
 
     @pytest.fixture
-    async def app_server(self, tmp_path: Path, upstream: RecordingUpstream):
-        path = write_policy(tmp_path / "policies.yaml", policy(upstream.url))
-        settings = Settings(
-            database_url=f"sqlite:///{tmp_path / 'gw.db'}",
-            policies=str(path),
+    async def gw(self, make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGateway:
+        return await make_app(
+            policy(upstream.url),
             reconcile_grace_s=0,
             sweep_interval_s=60,  # this instance's own sweeper stays out of the way
         )
-        server = TestServer(create_app(settings, load_policies(path)))
-        await server.start_server()
-        yield server
-        await server.close()
 
     async def hold_a_call(
-        self, server: TestServer, upstream: RecordingUpstream, session, key: str
+        self, gw: InProcessGateway, upstream: RecordingUpstream, session, key: str
     ) -> tuple[asyncio.Event, asyncio.Task[CallResult], str]:
         gate = asyncio.Event()
         upstream.script("/api/ops", Behavior(status=201, body=b'{"late": true}', gate=gate))
-        task = asyncio.create_task(post(session, str(server.make_url("")), "ledger/r1", key))
+        task = asyncio.create_task(post(session, gw.url, "ledger/r1", key))
         await upstream.wait_received(1)
         receipt_id = upstream.requests[0].headers["X-Receipt-Id"]
         # Another replica's sweeper finds this instance silent: the receipt is lost to it.
-        store = server.app[appkeys.STORE]
-        lost = await store.expire_pending(ReconcileWaits({}, 0.0), 3600.0, frozenset())
+        lost = await gw.store.expire_pending(ReconcileWaits({}, 0.0), 3600.0, frozenset())
         assert sum(lost.values()) == 1
         return gate, task, receipt_id
 
     async def test_an_outcome_after_outcome_unknown_is_recorded_late(
-        self, app_server: TestServer, upstream: RecordingUpstream, session
+        self, gw: InProcessGateway, upstream: RecordingUpstream, session
     ) -> None:
-        base = str(app_server.make_url(""))
-        gate, task, receipt_id = await self.hold_a_call(app_server, upstream, session, "k-1")
+        base = gw.url
+        gate, task, receipt_id = await self.hold_a_call(gw, upstream, session, "k-1")
         refused = await post(session, base, "ledger/r1", "k-1")
         gate.set()
         answer = await task
@@ -535,12 +524,12 @@ class TestLateOutcomes:
         assert len(upstream.requests) == 1
 
     async def test_an_outcome_after_reconciliation_is_kept_as_late_outcome_and_alerted(
-        self, app_server: TestServer, upstream: RecordingUpstream, session, caplog
+        self, gw: InProcessGateway, upstream: RecordingUpstream, session, caplog
     ) -> None:
-        base = str(app_server.make_url(""))
-        gate, task, receipt_id = await self.hold_a_call(app_server, upstream, session, "k-1")
+        base = gw.url
+        gate, task, receipt_id = await self.hold_a_call(gw, upstream, session, "k-1")
         # ...and another replica's reconciler resolves it (its grace already passed there).
-        resolved = await app_server.app[appkeys.STORE].resolve(
+        resolved = await gw.store.resolve(
             receipt_id, "not_applied", "operator:bob", None, ReconcileWaits({}, 0.0)
         )
         assert resolved.status == "reconciled"

@@ -1,8 +1,13 @@
 """Per-resource ordering: `concurrency: serial`, and takeover ordering in parallel mode.
 
-SPEC section 3, "Ordering on takeover": a call whose fence is higher than the fence of calls of
-the same resource still in flight waits until those complete; with `concurrency: serial`, calls
-are forwarded one at a time in arrival order and admission runs at the head of the queue.
+docs/contract.md §3, "Ordering on takeover": a call whose fence is higher than the fence of
+calls of the same resource still in flight waits until those complete; with
+`concurrency: serial`, calls are forwarded one at a time in arrival order and admission runs at
+the head of the queue.
+
+The gateway runs as a subprocess, except in the last classes: there it runs in process
+(`make_app`), where a test reads a receipt while its call is held, stalls a client's socket,
+or makes one store write fail.
 """
 
 from __future__ import annotations
@@ -10,10 +15,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
+
+from gateway.core.errors import StoreUnavailable
+from gateway.core.times import parse_rfc3339
 from tests.harness import (
+    AppFactory,
     Behavior,
     CallResult,
     GatewayFactory,
+    InProcessGateway,
     RecordingUpstream,
     call,
     fenced_headers,
@@ -164,3 +175,127 @@ class TestTakeoverOrdering:
             f"fence 2 reached the tool {rec1.completed_at - rec2.received_at:.3f}s "
             "before fence 1 completed"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# In process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGateway:
+    """Two upstreams over one tool: `/tool` serves `shared/*` in parallel, `/serial` serially."""
+    parallel = make_policy(upstream.url, [{"match": "shared/*"}], timeout_s=1)
+    serial = make_policy(
+        upstream.url,
+        [{"match": "shared/*", "concurrency": "serial"}],
+        name="serial",
+        mount="/serial",
+        timeout_s=1,
+    )
+    policy = {
+        "upstreams": parallel["upstreams"] + serial["upstreams"],
+        "resources": parallel["resources"] + serial["resources"],
+    }
+    return await make_app(policy, body_timeout_s=0.5, reconcile_grace_s=0)
+
+
+class TestTakeoverAcrossRules:
+    """A newer fence never overtakes an older call in flight, and its grace counts from
+    when it really left."""
+
+    async def test_a_serial_rule_waits_for_a_parallel_rules_older_call(self, gw, upstream):
+        gate = asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=gate))
+        old = asyncio.create_task(
+            gw.client.post("/tool/old", headers=fenced_headers("shared/a", 1))
+        )
+        await upstream.wait_received(1)
+        new = asyncio.create_task(
+            gw.client.post("/serial/new", headers=fenced_headers("shared/a", 2))
+        )
+        await asyncio.sleep(0.2)
+        assert [r.path for r in upstream.received()] == ["/api/old"]
+        gate.set()
+        for task in (old, new):
+            (await task).release()
+        assert [r.path for r in upstream.received()] == ["/api/old", "/api/new"]
+
+    async def test_a_call_that_waited_is_forwarded_at_when_it_left(self, gw, upstream):
+        """Durably, before it leaves: if the gateway dies while the call runs, a reconciler's
+        grace still counts from when the tool got it, not from its admission."""
+        old_gate, new_gate = asyncio.Event(), asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=old_gate))
+        upstream.script("/api/new", Behavior(gate=new_gate))
+        old = asyncio.create_task(
+            gw.client.post("/tool/old", headers=fenced_headers("shared/b", 1))
+        )
+        await upstream.wait_received(1)
+        new = asyncio.create_task(
+            gw.client.post("/tool/new", headers=fenced_headers("shared/b", 2))
+        )
+        await asyncio.sleep(0.3)
+        old_gate.set()
+        (await old).release()
+        await upstream.wait_received(1, path="/api/new")
+        [sent] = upstream.received(path="/api/new")
+        pending = await gw.receipt(sent.headers["X-Receipt-Id"])
+        new_gate.set()
+        (await new).release()
+        assert pending["status"] == "pending"
+        waited = parse_rfc3339(pending["forwarded_at"]) - parse_rfc3339(pending["created_at"])
+        assert waited >= 0.25
+
+
+class TestWaitedCallStoreFailure:
+    """A call that waited behind an older one and cannot durably record when it left is not
+    sent: its receipt says `not_sent`, never `outcome_unknown`."""
+
+    async def test_a_failed_forwarded_at_write_leaves_the_call_not_sent(
+        self, gw, upstream, monkeypatch
+    ):
+        """A store failing between two writes cannot be had for real: that write is made
+        to fail by hand. The call must then be known as never sent, not outcome_unknown."""
+
+        async def failing(_receipt_id: str) -> None:
+            raise StoreUnavailable("disk gone")
+
+        monkeypatch.setattr(gw.store, "mark_forwarded", failing)
+        gate = asyncio.Event()
+        upstream.script("/api/old", Behavior(gate=gate))
+        old = asyncio.create_task(
+            gw.client.post("/tool/old", headers=fenced_headers("shared/e", 1))
+        )
+        await upstream.wait_received(1)
+        new = asyncio.create_task(
+            gw.client.post("/tool/new", headers=fenced_headers("shared/e", 2))
+        )
+        await asyncio.sleep(0.1)
+        gate.set()
+        (await old).release()
+        async with await new as answer:
+            assert (answer.status, (await answer.json())["code"]) == (503, "store_unavailable")
+            record = await gw.receipt(answer.headers["X-Receipt-Id"])
+        assert (record["status"], record["error"]) == ("not_sent", "store_unavailable")
+        assert [r.path for r in upstream.received()] == ["/api/old"]
+
+
+class TestStalledClient:
+    """A client that stops reading its answer cannot hold its resource past the deadline."""
+
+    async def test_new_owner_gets_through(self, gw, upstream):
+        upstream.script("/api/big", Behavior(body=b"x" * (16 * 1024 * 1024)))
+        _reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(
+            b"POST /tool/big HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: shared/c\r\n"
+            b"X-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n"
+        )
+        await writer.drain()  # ... and never read a byte of the answer
+        await upstream.wait_received(1)
+        try:
+            async with gw.client.post(
+                "/tool/next", headers=fenced_headers("shared/c", 2)
+            ) as answer:
+                assert answer.status == 200
+        finally:
+            writer.close()

@@ -11,16 +11,38 @@ RETRY = frozenset({408, 425, 429, 503})
 NO_WAIT = ReconcileWaits({}, default=0)  # every receipt is past its grace at once
 
 
-def call(fence: int, *, resource: str = "acct/1", key: str = "k1", fp: str = "sha256:a",
-         issuer: str = "external", owner: str | None = None) -> Call:
-    return Call(resource=resource, fence=fence, owner=owner, client=None, upstream="tool",
-                method="POST", path="/x", issuer=issuer, idempotency_key=key, fingerprint=fp,
-                retry_statuses=RETRY, retention_s=60)
+def call(
+    fence: int,
+    *,
+    resource: str = "acct/1",
+    key: str = "k1",
+    fp: str = "sha256:a",
+    issuer: str = "external",
+    owner: str | None = None,
+) -> Call:
+    return Call(
+        resource=resource,
+        fence=fence,
+        owner=owner,
+        client=None,
+        upstream="tool",
+        method="POST",
+        path="/x",
+        issuer=issuer,
+        idempotency_key=key,
+        fingerprint=fp,
+        retry_statuses=RETRY,
+        retention_s=60,
+    )
 
 
 def ok(status: int = 200, body: bytes = b"{}") -> Outcome:
-    return Outcome("succeeded" if status < 300 else "failed", http_status=status,
-                   forwarded_at=1.0, response=([("Content-Type", "application/json")], body))
+    return Outcome(
+        "succeeded" if status < 300 else "failed",
+        http_status=status,
+        forwarded_at=1.0,
+        response=([("Content-Type", "application/json")], body),
+    )
 
 
 class TestExternalFences:
@@ -33,17 +55,34 @@ class TestExternalFences:
         stale = await store.admit(call(4, key="c"))
         assert isinstance(stale, Refused) and stale.code == "stale_fence"
         receipt = (await store.get_receipt(stale.receipt_id)).to_json()
-        assert {k: receipt[k] for k in ("status", "reject_code", "fence", "idempotency_key",
-                                        "fingerprint", "attempt", "http_status")} == {
-            "status": "rejected", "reject_code": "stale_fence", "fence": 4,
-            "idempotency_key": None, "fingerprint": None, "attempt": None, "http_status": 409}
+        assert {
+            k: receipt[k]
+            for k in (
+                "status",
+                "reject_code",
+                "fence",
+                "idempotency_key",
+                "fingerprint",
+                "attempt",
+                "http_status",
+            )
+        } == {
+            "status": "rejected",
+            "reject_code": "stale_fence",
+            "fence": 4,
+            "idempotency_key": None,
+            "fingerprint": None,
+            "attempt": None,
+            "http_status": 409,
+        }
 
     async def test_concurrent_admissions_never_accept_below_an_accepted_fence(self, store):
         fences = list(range(1, 101))
         random.Random(7).shuffle(fences)
         results = await asyncio.gather(*(store.admit(call(f, key=f"k{f}")) for f in fences))
-        in_commit_order = sorted((r.receipt_id, f, isinstance(r, Admitted))
-                                 for r, f in zip(results, fences, strict=True))
+        in_commit_order = sorted(
+            (r.receipt_id, f, isinstance(r, Admitted)) for r, f in zip(results, fences, strict=True)
+        )
         highest = 0
         for _, fence, admitted in in_commit_order:
             assert admitted == (fence >= highest), (fence, highest)
@@ -62,14 +101,14 @@ class TestIdempotency:
         first = await store.admit(call(1))
         assert await store.complete(first.receipt_id, ok(201, b"done")) == "recorded"
         again = await store.admit(call(2))  # a new owner retrying its predecessor's call
-        assert again == Replayed(first.receipt_id, 201, [("Content-Type", "application/json")],
-                                 b"done")
+        assert again == Replayed(
+            first.receipt_id, 201, [("Content-Type", "application/json")], b"done"
+        )
 
     async def test_in_flight_and_reuse(self, store) -> None:
         first = await store.admit(call(1))
         busy = await store.admit(call(1))
-        assert (busy.code, busy.holder_receipt_id) == ("idempotency_in_flight",
-                                                       first.receipt_id)
+        assert (busy.code, busy.holder_receipt_id) == ("idempotency_in_flight", first.receipt_id)
         reused = await store.admit(call(1, fp="sha256:b"))
         assert reused.code == "idempotency_key_reused"
         rejected = await store.get_receipt(reused.receipt_id)
@@ -106,8 +145,9 @@ class TestOutcomes:
     async def test_late_outcome_after_reconciliation_is_kept_as_error(self, store) -> None:
         admitted = await store.admit(call(1))
         await store.expire_pending(NO_WAIT, 60, frozenset())
-        resolved = await store.resolve(admitted.receipt_id, "not_applied", "operator:a", None,
-                                       NO_WAIT)
+        resolved = await store.resolve(
+            admitted.receipt_id, "not_applied", "operator:a", None, NO_WAIT
+        )
         assert resolved.status == "reconciled"
         assert await store.complete(admitted.receipt_id, ok()) == "late_outcome"
         receipt = await store.get_receipt(admitted.receipt_id)
@@ -118,11 +158,15 @@ class TestOutcomes:
         assert await store.expire_pending(NO_WAIT, 60, frozenset({admitted.receipt_id})) == {}
 
     async def test_reject_keeps_a_receipt(self, store) -> None:
-        receipt_id = await store.reject(Rejection("acct/1", 3, "run-a", None, "tool", "PUT",
-                                                  "/y", "body_too_large", 413))
+        receipt_id = await store.reject(
+            Rejection("acct/1", 3, "run-a", None, "tool", "PUT", "/y", "body_too_large", 413)
+        )
         receipt = await store.get_receipt(receipt_id)
         assert (receipt.status, receipt.reject_code, receipt.owner) == (
-            "rejected", "body_too_large", "run-a")
+            "rejected",
+            "body_too_large",
+            "run-a",
+        )
 
 
 class TestLeases:
@@ -140,8 +184,9 @@ class TestLeases:
         assert second.lease.fence == 2
 
     async def test_concurrent_acquires_give_one_owner(self, store) -> None:
-        results = await asyncio.gather(*(store.acquire("r/1", f"w{i}", 30, 0, None, None)
-                                         for i in range(30)))
+        results = await asyncio.gather(
+            *(store.acquire("r/1", f"w{i}", 30, 0, None, None) for i in range(30))
+        )
         assert [r.result for r in results].count("acquired") == 1
 
     async def test_gateway_issuer_checks(self, store) -> None:
@@ -151,7 +196,8 @@ class TestLeases:
         forged = await store.admit(dataclasses.replace(gateway_call, fence=99, idempotency_key="f"))
         assert forged.code == "fence_not_issued"
         mismatch = await store.admit(
-            dataclasses.replace(gateway_call, owner="b", idempotency_key="m"))
+            dataclasses.replace(gateway_call, owner="b", idempotency_key="m")
+        )
         assert mismatch.code == "owner_mismatch"
 
     async def test_fence_outlives_accepted_external_tokens(self, store) -> None:
@@ -166,8 +212,9 @@ class TestListing:
             await store.admit(call(fence, key=f"k{fence}", resource=f"a/{fence % 3}"))
         everything = await store.list_receipts(ReceiptQuery(limit=1000))
         assert [r.fence for r in everything] == list(range(1, 31))
-        page = await store.list_receipts(ReceiptQuery(resource="a/1", fence_min=10, limit=3,
-                                                      after_id=everything[9].id))
+        page = await store.list_receipts(
+            ReceiptQuery(resource="a/1", fence_min=10, limit=3, after_id=everything[9].id)
+        )
         assert [r.fence for r in page] == [13, 16, 19]
 
 

@@ -10,28 +10,38 @@ from gateway.core.outcomes import Completion
 RETRY = frozenset({408, 425, 429, 503})
 
 
-def key(status: str, *, http: int | None = None, replayable: bool = False,
-        resolution: str | None = None, fp: str = "sha256:a", attempt: int = 1) -> KeyState:
+def key(
+    status: str,
+    *,
+    http: int | None = None,
+    replayable: bool = False,
+    resolution: str | None = None,
+    fp: str = "sha256:a",
+    attempt: int = 1,
+) -> KeyState:
     return KeyState("R1", fp, status, http, replayable, resolution, attempt)
 
 
 class TestIdempotencyTable:
     """Each row of the key-state table (docs/contract.md §4)."""
 
-    @pytest.mark.parametrize(("latest", "expected"), [
-        (None, NewAttempt(1)),
-        (key("succeeded", http=200, fp="sha256:other"), Refuse("idempotency_key_reused", None)),
-        (key("succeeded", http=200, replayable=True), Replay("R1")),
-        (key("failed", http=400, replayable=True), Replay("R1")),
-        (key("succeeded", http=200), Refuse("already_completed", "R1")),
-        (key("failed", http=503, replayable=True, attempt=2), NewAttempt(3)),
-        (key("pending"), Refuse("idempotency_in_flight", "R1")),
-        (key("outcome_unknown"), Refuse("outcome_unknown", "R1")),
-        (key("reconciled", resolution="applied"), Refuse("already_completed", "R1")),
-        (key("reconciled", resolution="compensated"), Refuse("already_completed", "R1")),
-        (key("reconciled", resolution="not_applied"), NewAttempt(2)),
-        (key("not_sent"), NewAttempt(2)),
-    ])
+    @pytest.mark.parametrize(
+        ("latest", "expected"),
+        [
+            (None, NewAttempt(1)),
+            (key("succeeded", http=200, fp="sha256:other"), Refuse("idempotency_key_reused", None)),
+            (key("succeeded", http=200, replayable=True), Replay("R1")),
+            (key("failed", http=400, replayable=True), Replay("R1")),
+            (key("succeeded", http=200), Refuse("already_completed", "R1")),
+            (key("failed", http=503, replayable=True, attempt=2), NewAttempt(3)),
+            (key("pending"), Refuse("idempotency_in_flight", "R1")),
+            (key("outcome_unknown"), Refuse("outcome_unknown", "R1")),
+            (key("reconciled", resolution="applied"), Refuse("already_completed", "R1")),
+            (key("reconciled", resolution="compensated"), Refuse("already_completed", "R1")),
+            (key("reconciled", resolution="not_applied"), NewAttempt(2)),
+            (key("not_sent"), NewAttempt(2)),
+        ],
+    )
     def test_row(self, latest: KeyState | None, expected: object) -> None:
         assert idempotency.decide(latest, "sha256:a", RETRY) == expected
 
@@ -45,17 +55,20 @@ class TestGatewayFence:
 
     lease = LeaseView(owner="run-b", fence=5, client="c1", live=True)
 
-    @pytest.mark.parametrize(("fence", "issued", "lease", "owner", "client", "clients", "code"), [
-        (6, 5, lease, None, None, False, "fence_not_issued"),
-        (4, 5, lease, None, None, False, "stale_fence"),
-        (5, 5, lease, None, "c2", True, "not_lease_holder"),
-        (5, 5, lease, "run-a", "c1", True, "owner_mismatch"),
-        (5, 5, LeaseView("run-b", 5, None, live=False), None, None, False, "lease_expired"),
-        (5, 5, None, None, None, False, "lease_expired"),
-        (4, 5, None, None, None, False, "stale_fence"),
-        (5, 5, lease, "run-b", "c1", True, None),
-        (5, 5, lease, None, "other", False, None),
-    ])
+    @pytest.mark.parametrize(
+        ("fence", "issued", "lease", "owner", "client", "clients", "code"),
+        [
+            (6, 5, lease, None, None, False, "fence_not_issued"),
+            (4, 5, lease, None, None, False, "stale_fence"),
+            (5, 5, lease, None, "c2", True, "not_lease_holder"),
+            (5, 5, lease, "run-a", "c1", True, "owner_mismatch"),
+            (5, 5, LeaseView("run-b", 5, None, live=False), None, None, False, "lease_expired"),
+            (5, 5, None, None, None, False, "lease_expired"),
+            (4, 5, None, None, None, False, "stale_fence"),
+            (5, 5, lease, "run-b", "c1", True, None),
+            (5, 5, lease, None, "other", False, None),
+        ],
+    )
     def test_check(self, fence, issued, lease, owner, client, clients, code) -> None:
         assert fences.check_gateway(fence, issued, lease, owner, client, clients) == code
 
@@ -99,24 +112,42 @@ class TestFenceFacts:
         assert fences.next_fence(9, 3) == 10
 
 
-def lease(state: leases.LeaseState = "held", *, expires_at: float = 100.0, owner: str = "w",
-          client: str | None = "c", key: str | None = "k", fence: int = 3) -> leases.Lease:
-    return leases.Lease(resource="r", owner=owner, fence=fence, state=state, client=client,
-                        acquire_key=key, acquired_at=40.0, renewed_at=40.0,
-                        expires_at=expires_at)
+def lease(
+    state: leases.LeaseState = "held",
+    *,
+    expires_at: float = 100.0,
+    owner: str = "w",
+    client: str | None = "c",
+    key: str | None = "k",
+    fence: int = 3,
+) -> leases.Lease:
+    return leases.Lease(
+        resource="r",
+        owner=owner,
+        fence=fence,
+        state=state,
+        client=client,
+        acquire_key=key,
+        acquired_at=40.0,
+        renewed_at=40.0,
+        expires_at=expires_at,
+    )
 
 
 class TestAcquire:
     """The acquire compare-and-swap (docs/contract.md §6)."""
 
-    @pytest.mark.parametrize(("current", "now", "lock_delay", "expected"), [
-        (None, 50.0, 0.0, leases.Grant()),
-        (lease(), 50.0, 0.0, leases.Held()),
-        (lease(), 100.0, 5.0, leases.Held()),                 # expired, lock delay not over
-        (lease(), 105.0, 5.0, leases.Grant(held_seconds=60.0)),  # taken over, not yet marked
-        (lease("expired"), 105.0, 5.0, leases.Grant()),
-        (lease("released"), 50.0, 5.0, leases.Grant()),
-    ])
+    @pytest.mark.parametrize(
+        ("current", "now", "lock_delay", "expected"),
+        [
+            (None, 50.0, 0.0, leases.Grant()),
+            (lease(), 50.0, 0.0, leases.Held()),
+            (lease(), 100.0, 5.0, leases.Held()),  # expired, lock delay not over
+            (lease(), 105.0, 5.0, leases.Grant(held_seconds=60.0)),  # taken over, not yet marked
+            (lease("expired"), 105.0, 5.0, leases.Grant()),
+            (lease("released"), 50.0, 5.0, leases.Grant()),
+        ],
+    )
     def test_cas(self, current, now, lock_delay, expected) -> None:
         assert leases.decide_acquire(current, "other", "c2", None, lock_delay, now) == expected
 
@@ -140,17 +171,20 @@ class TestRenewAndRelease:
         assert not leases.may_renew(lease("released"), "w", 3, "c", 50.0)
         assert not leases.may_renew(None, "w", 3, "c", 50.0)
 
-    @pytest.mark.parametrize(("current", "owner", "fence", "now", "expected"), [
-        (lease(), "w", 3, 50.0, leases.Release(True, "release", 10.0)),
-        (lease(), "x", 3, 50.0, leases.Release(False)),
-        (lease(), "w", 2, 50.0, leases.Release(False)),
-        (lease(), "w", 3, 120.0, leases.Release(True)),           # expired untaken
-        (lease("released"), "w", 3, 50.0, leases.Release(True)),  # already released
-        (None, "w", 3, 50.0, leases.Release(False)),
-        (None, None, None, 50.0, leases.Release(True)),             # revoke of nothing
-        (lease(), None, None, 120.0, leases.Release(True, "release", 60.0)),
-        (lease("expired"), None, None, 120.0, leases.Release(True, "free")),
-    ])
+    @pytest.mark.parametrize(
+        ("current", "owner", "fence", "now", "expected"),
+        [
+            (lease(), "w", 3, 50.0, leases.Release(True, "release", 10.0)),
+            (lease(), "x", 3, 50.0, leases.Release(False)),
+            (lease(), "w", 2, 50.0, leases.Release(False)),
+            (lease(), "w", 3, 120.0, leases.Release(True)),  # expired untaken
+            (lease("released"), "w", 3, 50.0, leases.Release(True)),  # already released
+            (None, "w", 3, 50.0, leases.Release(False)),
+            (None, None, None, 50.0, leases.Release(True)),  # revoke of nothing
+            (lease(), None, None, 120.0, leases.Release(True, "release", 60.0)),
+            (lease("expired"), None, None, 120.0, leases.Release(True, "free")),
+        ],
+    )
     def test_release(self, current, owner, fence, now, expected) -> None:
         assert leases.decide_release(current, owner, fence, "c", now) == expected
 
@@ -163,17 +197,20 @@ class TestRenewAndRelease:
 class TestCompletion:
     """What an outcome does to its receipt (docs/contract.md §3, "Outcome")."""
 
-    @pytest.mark.parametrize(("current", "outcome", "expected"), [
-        ("pending", "succeeded", Completion.RECORDED),
-        ("pending", "outcome_unknown", Completion.RECORDED),
-        ("outcome_unknown", "failed", Completion.LATE),
-        ("outcome_unknown", "outcome_unknown", Completion.UNCHANGED),
-        ("outcome_unknown", "not_sent", Completion.UNCHANGED),
-        ("reconciled", "succeeded", Completion.LATE_OUTCOME),
-        ("reconciled", "outcome_unknown", Completion.UNCHANGED),
-        ("succeeded", "failed", Completion.UNCHANGED),
-        (None, "succeeded", Completion.MISSING),
-    ])
+    @pytest.mark.parametrize(
+        ("current", "outcome", "expected"),
+        [
+            ("pending", "succeeded", Completion.RECORDED),
+            ("pending", "outcome_unknown", Completion.RECORDED),
+            ("outcome_unknown", "failed", Completion.LATE),
+            ("outcome_unknown", "outcome_unknown", Completion.UNCHANGED),
+            ("outcome_unknown", "not_sent", Completion.UNCHANGED),
+            ("reconciled", "succeeded", Completion.LATE_OUTCOME),
+            ("reconciled", "outcome_unknown", Completion.UNCHANGED),
+            ("succeeded", "failed", Completion.UNCHANGED),
+            (None, "succeeded", Completion.MISSING),
+        ],
+    )
     def test_decide(self, current, outcome, expected) -> None:
         assert outcomes.decide_completion(current, outcome) == expected
 
@@ -185,7 +222,13 @@ class TestCompletion:
 
     def test_answers(self) -> None:
         assert [outcomes.outcome_of_answer(s) for s in (200, 299, 199, 300, 404, 503)] == [
-            "succeeded", "succeeded", "failed", "failed", "failed", "failed"]
+            "succeeded",
+            "succeeded",
+            "failed",
+            "failed",
+            "failed",
+            "failed",
+        ]
 
 
 class TestReconciliation:
@@ -201,23 +244,35 @@ class TestReconciliation:
         assert not receipts.may_resolve("outcome_unknown", 50.0, 49.9)
         assert not receipts.may_resolve("pending", 50.0, 99.0)
 
-    @pytest.mark.parametrize(("here", "heartbeat", "ready_at", "lost"), [
-        (False, None, 1e9, True),     # no instance record: an earlier run's
-        (False, 80.0, 1e9, True),     # silent for more than 10 s
-        (False, 95.0, 99.0, True),    # older than timeout + grace
-        (False, 95.0, 1e9, False),
-        (True, None, 0.0, False),     # in flight here: never lost
-    ])
+    @pytest.mark.parametrize(
+        ("here", "heartbeat", "ready_at", "lost"),
+        [
+            (False, None, 1e9, True),  # no instance record: an earlier run's
+            (False, 80.0, 1e9, True),  # silent for more than 10 s
+            (False, 95.0, 99.0, True),  # older than timeout + grace
+            (False, 95.0, 1e9, False),
+            (True, None, 0.0, False),  # in flight here: never lost
+        ],
+    )
     def test_lost(self, here, heartbeat, ready_at, lost) -> None:
-        assert receipts.is_lost(in_flight_here=here, heartbeat_at=heartbeat,
-                                silent_after_s=10.0, ready_at=ready_at, now=100.0) == lost
+        assert (
+            receipts.is_lost(
+                in_flight_here=here,
+                heartbeat_at=heartbeat,
+                silent_after_s=10.0,
+                ready_at=ready_at,
+                now=100.0,
+            )
+            == lost
+        )
 
 
 class TestCleanupClaim:
     """The next step of an owed on_expiry cleanup (docs/contract.md §9)."""
 
-    owed = cleanups.OwedCleanup("r", lease_fence=3, lease_owner="w", due_at=10.0, attempts=1,
-                                sweep_fence=4)
+    owed = cleanups.OwedCleanup(
+        "r", lease_fence=3, lease_owner="w", due_at=10.0, attempts=1, sweep_fence=4
+    )
 
     def attempt(self, status, resolution=None) -> KeyState:
         return KeyState("R4", "sha256:x", status, None, False, resolution, 1)
@@ -225,22 +280,28 @@ class TestCleanupClaim:
     def test_not_due(self) -> None:
         assert cleanups.decide_claim(self.owed, None, 4, "s", 9.0).state == "not_due"
 
-    @pytest.mark.parametrize(("status", "resolution", "state"), [
-        ("pending", None, "waiting"),
-        ("outcome_unknown", None, "waiting"),
-        ("succeeded", None, "done"),
-        ("reconciled", "applied", "done"),
-        ("reconciled", "compensated", "done"),
-    ])
+    @pytest.mark.parametrize(
+        ("status", "resolution", "state"),
+        [
+            ("pending", None, "waiting"),
+            ("outcome_unknown", None, "waiting"),
+            ("succeeded", None, "done"),
+            ("reconciled", "applied", "done"),
+            ("reconciled", "compensated", "done"),
+        ],
+    )
     def test_an_earlier_attempt_decides(self, status, resolution, state) -> None:
         claim = cleanups.decide_claim(self.owed, self.attempt(status, resolution), 4, "s", 20.0)
         assert (claim.state, claim.receipt_id) == (state, "R4")
 
-    @pytest.mark.parametrize(("status", "resolution"), [
-        ("failed", None), ("not_sent", None), ("reconciled", "not_applied")])
+    @pytest.mark.parametrize(
+        ("status", "resolution"),
+        [("failed", None), ("not_sent", None), ("reconciled", "not_applied")],
+    )
     def test_a_failed_attempt_is_tried_again(self, status, resolution) -> None:
-        assert cleanups.decide_claim(self.owed, self.attempt(status, resolution), 4, "s",
-                                     20.0) is None
+        assert (
+            cleanups.decide_claim(self.owed, self.attempt(status, resolution), 4, "s", 20.0) is None
+        )
 
     def test_a_new_owner_supersedes_it(self) -> None:
         claim = cleanups.decide_claim(self.owed, None, 5, "new-owner", 20.0)

@@ -1,4 +1,4 @@
-"""Header parsing: SPEC 3 steps 2 and 3, exactly."""
+"""Header parsing: docs/contract.md §3 steps 2 and 3, exactly."""
 
 import pytest
 from hypothesis import given
@@ -20,10 +20,26 @@ class TestFence:
     def test_accepts(self, value: str) -> None:
         assert headers.parse_fence(_h(("X-Fence-Token", value))) == int(value)
 
-    @pytest.mark.parametrize("value", [
-        "", "0", "-1", "+1", "01", "1_0", "1.0", " 1x", "١٢", "１", "9223372036854775808",
-        "99999999999999999999999", "1e3", "0x10", "1\n",
-    ])
+    @pytest.mark.parametrize(
+        "value",
+        [
+            "",
+            "0",
+            "-1",
+            "+1",
+            "01",
+            "1_0",
+            "1.0",
+            " 1x",
+            "١٢",
+            "１",
+            "9223372036854775808",
+            "99999999999999999999999",
+            "1e3",
+            "0x10",
+            "1\n",
+        ],
+    )
     def test_refuses(self, value: str) -> None:
         with pytest.raises(errors.InvalidFence):
             headers.parse_fence(_h(("X-Fence-Token", value)))
@@ -49,13 +65,30 @@ class TestFence:
 class TestResource:
     """Resources: 1 to 256 safe characters, clean `/`-separated segments."""
 
-    @pytest.mark.parametrize("value", ["browser/account-42", "a", "deploy/production",
-                                       "x:y@z/_.-", "a" * 256])
+    @pytest.mark.parametrize(
+        "value", ["browser/account-42", "a", "deploy/production", "x:y@z/_.-", "a" * 256]
+    )
     def test_accepts(self, value: str) -> None:
         assert headers.parse_resource(_h(("X-Lease-Resource", value))) == value
 
-    @pytest.mark.parametrize("value", ["", "/a", "a/", "a//b", "a/./b", "a/../b", ".", "..",
-                                       "a b", "a?b", "é", "a" * 257, "a/b\x00"])
+    @pytest.mark.parametrize(
+        "value",
+        [
+            "",
+            "/a",
+            "a/",
+            "a//b",
+            "a/./b",
+            "a/../b",
+            ".",
+            "..",
+            "a b",
+            "a?b",
+            "é",
+            "a" * 257,
+            "a/b\x00",
+        ],
+    )
     def test_refuses(self, value: str) -> None:
         with pytest.raises(errors.InvalidResource):
             headers.parse_resource(_h(("X-Lease-Resource", value)))
@@ -83,8 +116,16 @@ class TestOtherHeaders:
         assert headers.parse_idempotency_key(_h(("Idempotency-Key", key))) == key
 
     def test_strip_removes_hop_by_hop_and_connection_named(self) -> None:
-        kept = headers.strip(_h(("Connection", "keep-alive, X-Secret"), ("X-Secret", "s"),
-                                ("Keep-Alive", "5"), ("TE", "trailers"), ("Accept", "*/*"),
-                                ("Proxy-Authorization", "Bearer k"), ("X-Fence-Token", "3")),
-                             frozenset({"x-fence-token"}))
+        kept = headers.strip(
+            _h(
+                ("Connection", "keep-alive, X-Secret"),
+                ("X-Secret", "s"),
+                ("Keep-Alive", "5"),
+                ("TE", "trailers"),
+                ("Accept", "*/*"),
+                ("Proxy-Authorization", "Bearer k"),
+                ("X-Fence-Token", "3"),
+            ),
+            frozenset({"x-fence-token"}),
+        )
         assert list(kept.items()) == [("Accept", "*/*")]

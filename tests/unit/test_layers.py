@@ -31,7 +31,9 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 # Package -> rank; a module may import a package of strictly lower rank, or its own.
 LAYERS = {
     "core": 0,
-    "config": 1, "observe": 1, "store": 1,
+    "config": 1,
+    "observe": 1,
+    "store": 1,
     "proxy": 2,
     "upkeep": 3,
     "api": 4,
@@ -42,7 +44,7 @@ LAYER_ORDER = "cli > server > api > upkeep > proxy > {config, observe, store} > 
 
 # Modules directly under gateway/ that belong to no layer, and what each may import.
 TOP_LEVEL: dict[str, frozenset[str]] = {
-    "gateway": frozenset(),                     # gateway/__init__.py
+    "gateway": frozenset(),  # gateway/__init__.py
     "gateway.__main__": frozenset({"cli"}),
     "gateway.client": frozenset({"core"}),
 }
@@ -51,10 +53,10 @@ CLIENT_IMPORTERS = frozenset({"cli"})
 
 @dataclass(frozen=True)
 class Import:
-    importer: str      # dotted module name
-    target: str        # the gateway module imported, as precisely as the source names it
+    importer: str  # dotted module name
+    target: str  # the gateway module imported, as precisely as the source names it
     line: int
-    type_only: bool    # under `if TYPE_CHECKING:`
+    type_only: bool  # under `if TYPE_CHECKING:`
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -70,7 +72,8 @@ def module_names(root: Path) -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _statements(body: list[ast.AST], type_only: bool) -> Iterator[tuple[ast.AST, bool]]:
@@ -108,7 +111,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")
-                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
                 source = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 source = node.module or ""
@@ -152,8 +155,12 @@ def _broken_rule(imp: Import) -> str | None:
             return None
         return f"{imp.importer} may import {', '.join(sorted(allowed)) or 'nothing of the project'}"
     if imp.target == "gateway.client":
-        return None if source in CLIENT_IMPORTERS else "gateway.client is the agents' side; " \
+        return (
+            None
+            if source in CLIENT_IMPORTERS
+            else "gateway.client is the agents' side; "
             f"only {', '.join(sorted(CLIENT_IMPORTERS))} may import it"
+        )
     if imp.target == "gateway":
         return None  # the package itself, which imports nothing
     if target not in LAYERS:
@@ -161,16 +168,21 @@ def _broken_rule(imp: Import) -> str | None:
     if source not in LAYERS or source == target:
         return None  # a module in no layer is test_every_module_is_in_a_layer's to report
     if LAYERS[target] == LAYERS[source]:
-        return f"{source} and {target} are siblings (config, observe, store): neither may " \
+        return (
+            f"{source} and {target} are siblings (config, observe, store): neither may "
             "import the other"
+        )
     if LAYERS[target] > LAYERS[source]:
         return f"{source} may not import {target}, a higher layer"
     return None
 
 
 def layer_violations(root: Path) -> list[str]:
-    return [f"{_where(imp, root)}: {rule}"
-            for imp in all_imports(root) if (rule := _broken_rule(imp)) is not None]
+    return [
+        f"{_where(imp, root)}: {rule}"
+        for imp in all_imports(root)
+        if (rule := _broken_rule(imp)) is not None
+    ]
 
 
 def import_cycles(root: Path) -> list[list[Import]]:
@@ -208,10 +220,12 @@ def import_cycles(root: Path) -> list[list[Import]]:
 
 def stray_modules(root: Path) -> list[str]:
     """Modules in no layer package and not one of the few allowed at the top."""
-    return [f"{path.relative_to(root.parent)}: {name} is in no layer package "
-            f"({', '.join(LAYERS)}) and is not one of {', '.join(sorted(TOP_LEVEL))}"
-            for name, path in module_names(root).items()
-            if package_of(name) not in LAYERS and name not in TOP_LEVEL]
+    return [
+        f"{path.relative_to(root.parent)}: {name} is in no layer package "
+        f"({', '.join(LAYERS)}) and is not one of {', '.join(sorted(TOP_LEVEL))}"
+        for name, path in module_names(root).items()
+        if package_of(name) not in LAYERS and name not in TOP_LEVEL
+    ]
 
 
 def _cycle_message(cycle: list[Import], root: Path) -> str:
@@ -221,6 +235,7 @@ def _cycle_message(cycle: list[Import], root: Path) -> str:
 
 
 # The gateway itself.
+
 
 def test_imports_follow_the_layers() -> None:
     problems = layer_violations(GATEWAY)
@@ -239,6 +254,7 @@ def test_every_module_is_in_a_layer() -> None:
 
 # The checks themselves, on small trees made for them: each must see what it is for.
 
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     gateway = root / "gateway"
     for name, text in {"__init__.py": "", **files}.items():
@@ -250,61 +266,96 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     return gateway
 
 
-@pytest.mark.parametrize(("files", "expected"), [
-    ({"core/a.py": "import os\n\ndef f():\n    from gateway.proxy import b\n",
-      "proxy/b.py": ""},
-     "gateway/core/a.py:4: gateway.core.a imports gateway.proxy.b: core may not import proxy"),
-    ({"store/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                    "    from gateway.observe.logs import x\n",
-      "observe/logs.py": ""},
-     "gateway/store/a.py:3: gateway.store.a imports (under TYPE_CHECKING) "
-     "gateway.observe.logs: store and observe are siblings"),
-    ({"proxy/a.py": "from ..server import app\n", "server/app.py": ""},
-     "gateway/proxy/a.py:1: gateway.proxy.a imports gateway.server.app: proxy may not import"),
-    ({"client.py": "import gateway.config.settings\n", "config/settings.py": ""},
-     "gateway/client.py:1: gateway.client imports gateway.config.settings: gateway.client "
-     "may import core"),
-    ({"server/a.py": "from gateway import client\n", "client.py": ""},
-     "gateway/server/a.py:1: gateway.server.a imports gateway.client: gateway.client is the "
-     "agents' side"),
-], ids=["upward-in-a-function", "sibling-type-only", "upward-relative", "client-imports-config",
-        "server-imports-client"])
-def test_layer_check_reports_the_module_line_and_rule(tmp_path: Path, files: dict[str, str],
-                                                      expected: str) -> None:
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {
+                "core/a.py": "import os\n\ndef f():\n    from gateway.proxy import b\n",
+                "proxy/b.py": "",
+            },
+            "gateway/core/a.py:4: gateway.core.a imports gateway.proxy.b: "
+            "core may not import proxy",
+        ),
+        (
+            {
+                "store/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from gateway.observe.logs import x\n",
+                "observe/logs.py": "",
+            },
+            "gateway/store/a.py:3: gateway.store.a imports (under TYPE_CHECKING) "
+            "gateway.observe.logs: store and observe are siblings",
+        ),
+        (
+            {"proxy/a.py": "from ..server import app\n", "server/app.py": ""},
+            "gateway/proxy/a.py:1: gateway.proxy.a imports gateway.server.app: "
+            "proxy may not import",
+        ),
+        (
+            {"client.py": "import gateway.config.settings\n", "config/settings.py": ""},
+            "gateway/client.py:1: gateway.client imports gateway.config.settings: gateway.client "
+            "may import core",
+        ),
+        (
+            {"server/a.py": "from gateway import client\n", "client.py": ""},
+            "gateway/server/a.py:1: gateway.server.a imports gateway.client: gateway.client is the "
+            "agents' side",
+        ),
+    ],
+    ids=[
+        "upward-in-a-function",
+        "sibling-type-only",
+        "upward-relative",
+        "client-imports-config",
+        "server-imports-client",
+    ],
+)
+def test_layer_check_reports_the_module_line_and_rule(
+    tmp_path: Path, files: dict[str, str], expected: str
+) -> None:
     problems = layer_violations(_tree(tmp_path, files))
     assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
 def test_layer_check_accepts_downward_imports(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
-        "core/a.py": "",
-        "store/b.py": "from gateway.core import a\nfrom . import c\n",
-        "store/c.py": "",
-        "cli/d.py": "from gateway.client import x\nfrom gateway.store.b import y\n",
-        "client.py": "from gateway.core.a import z\n",
-        "__main__.py": "from gateway.cli.d import main\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "core/a.py": "",
+            "store/b.py": "from gateway.core import a\nfrom . import c\n",
+            "store/c.py": "",
+            "cli/d.py": "from gateway.client import x\nfrom gateway.store.b import y\n",
+            "client.py": "from gateway.core.a import z\n",
+            "__main__.py": "from gateway.cli.d import main\n",
+        },
+    )
     assert layer_violations(root) == []
 
 
 def test_cycle_check_reports_the_path(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
-        "proxy/a.py": "from gateway.proxy import b, d\n",
-        "proxy/b.py": "import os\n\ndef f():\n    from gateway.proxy.c import x\n",
-        "proxy/c.py": "from .a import y\n",
-        # a type-only import back to a: no cycle at run time
-        "proxy/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from gateway.proxy.a import z\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "proxy/a.py": "from gateway.proxy import b, d\n",
+            "proxy/b.py": "import os\n\ndef f():\n    from gateway.proxy.c import x\n",
+            "proxy/c.py": "from .a import y\n",
+            # a type-only import back to a: no cycle at run time
+            "proxy/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from gateway.proxy.a import z\n",
+        },
+    )
     cycles = import_cycles(root)
     assert len(cycles) == 1, cycles
     message = _cycle_message(cycles[0], root)
     assert message.startswith(
-        "import cycle gateway.proxy.a -> gateway.proxy.b -> gateway.proxy.c -> gateway.proxy.a")
+        "import cycle gateway.proxy.a -> gateway.proxy.b -> gateway.proxy.c -> gateway.proxy.a"
+    )
     assert "gateway/proxy/b.py:4: gateway.proxy.b imports gateway.proxy.c" in message
 
 
 def test_stray_check_names_a_module_outside_the_layers(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"helpers.py": "", "misc/thing.py": "", "client.py": ""})
     assert [s.split(":")[0] for s in stray_modules(root)] == [
-        "gateway/helpers.py", "gateway/misc/thing.py"]
+        "gateway/helpers.py",
+        "gateway/misc/thing.py",
+    ]

@@ -19,8 +19,12 @@ def served_operations() -> set[tuple[str, str]]:
 
 
 def test_every_v1_route_is_described_and_nothing_else() -> None:
-    described = {(method, path) for path, item in document()["paths"].items()
-                 for method in item if method != "parameters"}
+    described = {
+        (method, path)
+        for path, item in document()["paths"].items()
+        for method in item
+        if method != "parameters"
+    }
     assert described == served_operations()
 
 

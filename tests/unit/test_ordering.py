@@ -40,7 +40,6 @@ class TestTakeover:
             new.register(2)
             assert not await new.wait_for(new.older(), 0.02)
 
-
     async def test_older_calls_registered_after_admission_are_not_waited_for(self) -> None:
         """They can only be refused as stale: a fenced-out owner sending in a loop must not
         keep the new owner out."""

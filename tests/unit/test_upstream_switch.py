@@ -49,7 +49,8 @@ def test_without_the_switch_the_check_names_the_version_and_the_floor() -> None:
         require_no_resend_switch()
     message = str(caught.value)
     assert message.startswith(
-        f"aiohttp 3.10.11 is installed, but fence-gateway needs aiohttp>={_floor()}: ")
+        f"aiohttp 3.10.11 is installed, but fence-gateway needs aiohttp>={_floor()}: "
+    )
     assert "\n" not in message
 
 
@@ -61,19 +62,29 @@ async def test_without_the_switch_no_upstream_session_is_opened() -> None:
 
 
 def test_serve_without_the_switch_exits_2_with_one_line(tmp_path: Path) -> None:
-    script = ("import aiohttp\n"
-              "aiohttp.ClientSession.ATTRS = frozenset()\n"
-              "from gateway.cli.main import main\n"
-              "raise SystemExit(main(['serve']))\n")
+    script = (
+        "import aiohttp\n"
+        "aiohttp.ClientSession.ATTRS = frozenset()\n"
+        "from gateway.cli.main import main\n"
+        "raise SystemExit(main(['serve']))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=tmp_path, env=env, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=30,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"fence-gateway: aiohttp {aiohttp.__version__} is installed, "
-                               f"but fence-gateway needs aiohttp>={_floor()}: ")
+    assert lines[0].startswith(
+        f"fence-gateway: aiohttp {aiohttp.__version__} is installed, "
+        f"but fence-gateway needs aiohttp>={_floor()}: "
+    )
 
 
 def test_make_test_floor_pins_the_floor() -> None:

@@ -1,0 +1,999 @@
+"""The shared store: PostgreSQL through asyncpg, for any number of replicas (docs/contract.md §14).
+
+Each atomic step is one PostgreSQL transaction whose checks the database makes. A step that
+decides about a resource first locks that resource's `fences` row (an upsert that returns the
+row, so one statement locks, reads the fences and takes the database's time); then, in a new
+statement (READ COMMITTED: a fresh snapshot, taken after the lock), it reads the lease and key
+rows, asks the plain functions of `gateway.core`, and writes what they decide. Every writer of
+a resource's fences, lease, keys and owed cleanup holds that row lock, so under it the
+read-decide-write is atomic across replicas. Steps about one receipt lock the receipt's row
+(`FOR UPDATE`) or are one conditional statement. Times that decide expiry are the database's
+(`clock_timestamp()`), kept as epoch seconds like on SQLite, so rows convert alike
+(`gateway.store.rows`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from importlib import resources
+from typing import Any, TypeVar
+
+import asyncpg
+
+from gateway.core import cleanups, fences, idempotency, leases, outcomes
+from gateway.core.errors import BY_CODE, StoreUnavailable
+from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost, may_resolve
+from gateway.core.times import rfc3339
+from gateway.store.base import (
+    AcquireResult,
+    Admitted,
+    Call,
+    CleanupClaim,
+    CleanupDelay,
+    Completion,
+    Lease,
+    Outcome,
+    OwedCleanup,
+    Receipt,
+    ReceiptQuery,
+    Refused,
+    Rejection,
+    Release,
+    Replayed,
+    ResolveRefused,
+    shown,
+)
+from gateway.store.ids import MonotonicUlid
+from gateway.store.rows import RECEIPT_COLUMNS, key_state, lease_of, owed_cleanup_of, receipt_of
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+"""The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
+_MIGRATIONS = {1: "schema/postgres.sql"}
+_MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
+POOL_MIN, POOL_MAX = 1, 10
+PRUNE_BATCH = 1000
+_RETRIES = 3  # a deadlock or serialization failure is retried this many times in all
+_DURABLE_SETTINGS = ("on", "remote_write", "remote_apply")
+
+_NOW = "extract(epoch from clock_timestamp())::float8"
+_RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
+_SETTLED = ", ".join(f"'{status}'" for status in sorted(SETTLED))
+_LEASE_COLUMNS = (
+    "resource",
+    "owner",
+    "fence",
+    "client",
+    "acquire_key",
+    "state",
+    "acquired_at",
+    "renewed_at",
+    "expires_at",
+)
+
+# Lock a resource's fences row (creating it), and read it and the database's time after the lock.
+_LOCK_FENCES = (
+    "INSERT INTO fences (resource) VALUES ($1) ON CONFLICT (resource) "
+    f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now"
+)
+# The same for a resource that may have no row: no lease without one (acquire writes it).
+_LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
+
+_LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
+
+# After the lock: the lease, the key's latest receipt and, without one, the earlier attempts.
+_ADMIT_READ = (
+    "SELECT " + ", ".join(f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS) + ", "
+    "r.id AS k_id, r.fingerprint AS k_fingerprint, r.status AS k_status, "
+    "r.http_status AS k_http_status, r.replayable AS k_replayable, "
+    "r.resolution AS k_resolution, r.attempt AS k_attempt, r.error AS k_error, "
+    "CASE WHEN r.id IS NULL THEN (SELECT count(*) FROM receipts p WHERE p.resource = $1 "
+    "AND p.idempotency_key = $2 AND p.status <> 'rejected') END AS pruned "
+    "FROM (VALUES (1)) AS one (x) "
+    "LEFT JOIN leases l ON l.resource = $1 "
+    "LEFT JOIN idempotency_keys k ON k.resource = $1 AND k.key = $2 "
+    "LEFT JOIN receipts r ON r.resource = k.resource AND r.id = k.receipt_id"
+)
+
+_KEY_STATE = (
+    "SELECT r.id, r.fingerprint, r.status, r.http_status, r.replayable, r.resolution, "
+    "r.attempt, r.error FROM idempotency_keys k JOIN receipts r "
+    "ON r.resource = k.resource AND r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2"
+)
+
+_ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resource = {resource}"
+
+_INSERT_REJECTED = (
+    "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
+    "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
+    "completed_at, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'rejected', "
+    f"$11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14)"
+)
+# A refusal at the idempotency step still advances the fence (docs/contract.md §3, step 6).
+_ADVANCE_AND_REJECT = (
+    f"WITH f AS ({_ADVANCE.format(fence='$3', resource='$2')}) " + _INSERT_REJECTED
+)
+_ADVANCE_AND_REPLAY = (
+    f"WITH f AS ({_ADVANCE.format(fence='$2', resource='$1')}) "
+    "SELECT http_status, response_headers, response_body FROM receipts "
+    "WHERE resource = $1 AND id = $3"
+)
+_ADMIT = (
+    f"WITH f AS ({_ADVANCE.format(fence='$3', resource='$1')}), "
+    "k AS (INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
+    "VALUES ($1, $9, $2, $14, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
+    "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, expires_at = NULL) "
+    "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
+    "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance) "
+    "VALUES ($2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13)"
+)
+
+# An outcome onto a receipt; $10: whether it settles the key (its retention starts).
+_RECORD = (
+    "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $5, "
+    f"forwarded_at = $6, completed_at = {_NOW}, replayable = $7, response_headers = $8, "
+    "response_body = $9 WHERE id = $1 {only_pending} "
+    "RETURNING resource, idempotency_key, completed_at), "
+    "k AS (UPDATE idempotency_keys k SET expires_at = r.completed_at + k.retention_s FROM r "
+    "WHERE $10 AND k.resource = r.resource AND k.key = r.idempotency_key "
+    "AND k.receipt_id = $1) SELECT count(*) FROM r"
+)
+_RECORD_PENDING = _RECORD.format(only_pending="AND status = 'pending'")
+_RECORD_LOCKED = _RECORD.format(only_pending="")
+
+_SETTLE_KEY = (
+    "UPDATE idempotency_keys SET expires_at = $4 + retention_s "
+    "WHERE resource = $1 AND key = $2 AND receipt_id = $3"
+)
+
+_GRANT = (
+    "WITH f AS (UPDATE fences SET issued = $3 WHERE resource = $1) "
+    "INSERT INTO leases (resource, owner, fence, client, acquire_key, state, acquired_at, "
+    "renewed_at, expires_at, ended_at) VALUES ($1, $2, $3, $4, $5, 'held', $6, $6, $7, NULL) "
+    "ON CONFLICT (resource) DO UPDATE SET owner = excluded.owner, fence = excluded.fence, "
+    "client = excluded.client, acquire_key = excluded.acquire_key, state = 'held', "
+    "acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at, "
+    "expires_at = excluded.expires_at, ended_at = NULL"
+)
+
+
+class PostgresStartupError(Exception):
+    """The database is one this replica must not serve on: exit 2 at start (one line)."""
+
+
+async def _keep_session(conn: Any) -> None:
+    """Connections go back to the pool as they are: the store changes no session state (only
+    `SET LOCAL` and transaction-scoped advisory locks), so the reset round trip is skipped.
+    asyncpg still rolls back a transaction left open."""
+
+
+def _prefixed(row: Any, prefix: str) -> dict[str, Any]:
+    return {key[len(prefix) :]: value for key, value in row.items() if key.startswith(prefix)}
+
+
+def _database_errors() -> tuple[type[BaseException], ...]:
+    return (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+class PostgresStore:
+    def __init__(
+        self,
+        url: str,
+        *,
+        instance: str,
+        durability: str = "strict",
+        before_commit: Callable[[], None] = lambda: None,
+        pool_min: int = POOL_MIN,
+        pool_max: int = POOL_MAX,
+    ) -> None:
+        self.url = url
+        self.instance = instance
+        self._relaxed = durability == "relaxed"
+        self._before_commit = before_commit
+        self._pool_size = (pool_min, pool_max)
+        self._new_id = MonotonicUlid()
+        self._pool: Any = None
+        self.recovered: dict[str, int] = {}  # nothing at open: peers may be serving (§14)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.url,
+                min_size=self._pool_size[0],
+                max_size=self._pool_size[1],
+                reset=_keep_session,
+            )
+        except _database_errors() as exc:
+            raise StoreUnavailable(f"cannot connect to PostgreSQL: {_one_line(exc)}") from exc
+        try:
+            async with self._pool.acquire() as conn:
+                if not self._relaxed:
+                    setting = await conn.fetchval("SHOW synchronous_commit")
+                    if setting not in _DURABLE_SETTINGS:
+                        raise PostgresStartupError(
+                            f"durability strict needs the PostgreSQL setting synchronous_commit "
+                            f"to be on, remote_write or remote_apply; it is {setting!r}"
+                        )
+                async with conn.transaction():
+                    await self._migrate(conn)
+                    await conn.execute(
+                        "INSERT INTO instances (id, started_at, heartbeat_at) "
+                        f"VALUES ($1, {_NOW}, {_NOW}) ON CONFLICT (id) DO UPDATE SET "
+                        "heartbeat_at = excluded.heartbeat_at",
+                        self.instance,
+                    )
+                    last = await conn.fetchval("SELECT max(id) FROM receipts")
+        except BaseException as exc:
+            await self._pool.close()
+            self._pool = None
+            if isinstance(exc, _database_errors()):
+                raise StoreUnavailable(
+                    f"PostgreSQL could not be prepared: {_one_line(exc)}"
+                ) from exc
+            raise
+        if last is not None:
+            self._new_id.continue_after(last)  # this process's ids keep their order
+
+    async def _migrate(self, conn: Any) -> None:
+        """Create or migrate the schema, by version, under an advisory lock: replicas that
+        start together take turns, and the later ones find it done."""
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version ("
+            "version integer PRIMARY KEY, applied_at double precision NOT NULL)"
+        )
+        version = await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version")
+        if version > SCHEMA_VERSION:
+            raise PostgresStartupError(
+                f"the PostgreSQL schema is version {version}, newer than this gateway knows "
+                f"({SCHEMA_VERSION}): upgrade the gateway"
+            )
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            script = resources.files("gateway.store").joinpath(_MIGRATIONS[step]).read_text()
+            await conn.execute(script)
+            await conn.execute(
+                f"INSERT INTO schema_version (version, applied_at) VALUES ($1, {_NOW})", step
+            )
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    # -- transactions -------------------------------------------------------------------------
+
+    def _pool_or_fail(self) -> Any:
+        if self._pool is None:
+            raise StoreUnavailable("the store is not open")
+        return self._pool
+
+    def _commit_hook(self) -> None:
+        try:
+            self._before_commit()
+        except Exception as exc:
+            raise StoreUnavailable(f"the store could not commit: {exc}") from exc
+
+    async def _tx(self, op: Callable[[Any], Awaitable[T]], *, relaxed: bool = False) -> T:
+        """Run `op(conn)` as one transaction. `relaxed`: an admission or outcome, which
+        `relaxed` durability does not wait for the disk for; everything else always does.
+        A deadlock or serialization failure runs it again (no effect was committed)."""
+        begin = (
+            "BEGIN; SET LOCAL synchronous_commit TO off" if relaxed and self._relaxed else "BEGIN"
+        )
+        for attempt in range(1, _RETRIES + 1):
+            try:
+                async with self._pool_or_fail().acquire() as conn:
+                    await conn.execute(begin)
+                    try:
+                        result = await op(conn)
+                        self._commit_hook()
+                        await conn.execute("COMMIT")
+                    except BaseException:
+                        if not conn.is_closed():
+                            try:
+                                await conn.execute("ROLLBACK")
+                            except _database_errors():
+                                pass
+                        raise
+                    return result
+            except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
+                if attempt == _RETRIES:
+                    raise StoreUnavailable(f"the store failed: {_one_line(exc)}") from exc
+            except _database_errors() as exc:
+                raise StoreUnavailable(f"the store failed: {_one_line(exc)}") from exc
+        raise AssertionError("unreachable")
+
+    async def _run(self, op: Callable[[Any], Awaitable[T]], *, writes: bool) -> T:
+        """One statement or a few independent ones, each its own (autocommit) transaction:
+        for reads, and for writes whose checks are in the statement itself."""
+        try:
+            async with self._pool_or_fail().acquire() as conn:
+                if writes:
+                    self._commit_hook()  # before the implicit COMMIT: nothing is written
+                return await op(conn)
+        except _database_errors() as exc:
+            raise StoreUnavailable(f"the store failed: {_one_line(exc)}") from exc
+
+    # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
+
+    async def admit(self, call: Call) -> Admitted | Replayed | Refused:
+        """BEGIN, lock, read, write, COMMIT: five round trips."""
+        return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
+
+    async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
+        locked = await conn.fetchrow(_LOCK_FENCES, call.resource)
+        issued, accepted, now = locked["issued"], locked["accepted"], locked["now"]
+        row = await conn.fetchrow(_ADMIT_READ, call.resource, call.idempotency_key)
+        owner = call.owner
+        code: str | None
+        if call.issuer == "gateway":
+            current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+            lease = (
+                None
+                if current is None
+                else fences.LeaseView(
+                    owner=current.owner,
+                    fence=current.fence,
+                    client=current.client,
+                    live=current.live(now),
+                )
+            )
+            code = fences.check_gateway(
+                call.fence, issued, lease, call.owner, call.client, call.clients_configured
+            )
+            owner = fences.recorded_owner(call.owner, call.fence, lease)
+        else:
+            code = fences.check_external(call.fence, accepted)
+        if code is not None:
+            receipt_id = self._new_id(now)
+            await conn.execute(
+                _INSERT_REJECTED,
+                *self._rejected_args(receipt_id, call, owner, code, now, with_key=False),
+            )
+            return Refused(code, receipt_id)
+
+        latest = key_state(_prefixed(row, "k_")) if row["k_id"] is not None else None
+        decision = idempotency.decide(
+            latest, call.fingerprint, call.retry_statuses, int(row["pruned"] or 0)
+        )
+        if isinstance(decision, idempotency.Replay):
+            stored = await conn.fetchrow(
+                _ADVANCE_AND_REPLAY, call.resource, call.fence, decision.receipt_id
+            )
+            return Replayed(
+                decision.receipt_id,
+                stored["http_status"],
+                [(name, value) for name, value in json.loads(stored["response_headers"])],
+                bytes(stored["response_body"]),
+            )
+        if isinstance(decision, idempotency.Refuse):
+            receipt_id = self._new_id(now)
+            await conn.execute(
+                _ADVANCE_AND_REJECT,
+                *self._rejected_args(receipt_id, call, owner, decision.code, now, with_key=True),
+            )
+            return Refused(decision.code, receipt_id, decision.receipt_id)
+
+        receipt_id = self._new_id(now)
+        await conn.execute(
+            _ADMIT,
+            call.resource,
+            receipt_id,
+            call.fence,
+            owner,
+            call.client,
+            call.upstream,
+            call.method,
+            call.path,
+            call.idempotency_key,
+            call.fingerprint,
+            decision.attempt,
+            now,
+            self.instance,
+            call.retention_s,
+        )
+        return Admitted(receipt_id, decision.attempt, owner)
+
+    def _rejected_args(
+        self,
+        receipt_id: str,
+        call: Call,
+        owner: str | None,
+        code: str,
+        now: float,
+        *,
+        with_key: bool,
+    ) -> tuple[Any, ...]:
+        return (
+            receipt_id,
+            call.resource,
+            call.fence,
+            owner,
+            call.client,
+            call.upstream,
+            call.method,
+            call.path,
+            call.idempotency_key if with_key else None,
+            call.fingerprint if with_key else None,
+            BY_CODE[code].status,
+            code,
+            now,
+            self.instance,
+        )
+
+    async def reject(self, rejection: Rejection) -> str:
+        """One statement: nothing is decided."""
+        receipt_id = self._new_id()
+
+        async def op(conn: Any) -> str:
+            await conn.execute(
+                _INSERT_REJECTED,
+                receipt_id,
+                rejection.resource,
+                rejection.fence,
+                rejection.owner,
+                rejection.client,
+                rejection.upstream,
+                rejection.method,
+                rejection.path,
+                None,
+                None,
+                rejection.http_status,
+                rejection.code,
+                None,
+                self.instance,
+            )
+            return receipt_id
+
+        return await self._run(op, writes=True)
+
+    # -- outcomes (§3, "Outcome") -------------------------------------------------------------
+
+    async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
+        """A `pending` receipt (the usual case) takes its outcome in one conditional
+        statement: one round trip (three in `relaxed` mode, for its `SET LOCAL`). Anything
+        else locks the receipt and asks `gateway.core.outcomes`: four."""
+        # What the pure decision says for the `pending` receipt the statement requires.
+        completion = outcomes.decide_completion("pending", outcome.status)
+        args = self._record_args(receipt_id, outcome, completion)
+
+        async def fast(conn: Any) -> int:
+            return int(await conn.fetchval(_RECORD_PENDING, *args))
+
+        if self._relaxed:
+            recorded = await self._tx(fast, relaxed=True)
+        else:
+            recorded = await self._run(fast, writes=True)
+        if recorded:
+            return completion
+        return await self._tx(lambda conn: self._complete(conn, receipt_id, outcome), relaxed=True)
+
+    @staticmethod
+    def _record_args(receipt_id: str, outcome: Outcome, completion: Completion) -> tuple[Any, ...]:
+        headers, body = outcome.response if outcome.response is not None else (None, None)
+        return (
+            receipt_id,
+            outcome.status,
+            outcome.http_status,
+            outcome.error,
+            completion is Completion.LATE,
+            outcome.forwarded_at,
+            outcome.replayable,
+            json.dumps(headers) if headers is not None else None,
+            body,
+            outcomes.settles_key(completion, outcome.status),
+        )
+
+    async def _complete(self, conn: Any, receipt_id: str, outcome: Outcome) -> Completion:
+        row = await conn.fetchrow(
+            "SELECT status FROM receipts WHERE id = $1 FOR UPDATE", receipt_id
+        )
+        completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
+        if completion is Completion.LATE_OUTCOME:
+            # The resolution stands; the tool's own answer is kept beside it for the alert.
+            await conn.execute(
+                "UPDATE receipts SET error = 'late_outcome', late = true, "
+                "http_status = $2 WHERE id = $1",
+                receipt_id,
+                outcome.http_status,
+            )
+        elif completion in (Completion.RECORDED, Completion.LATE):
+            await conn.execute(_RECORD_LOCKED, *self._record_args(receipt_id, outcome, completion))
+        return completion
+
+    async def mark_forwarded(self, receipt_id: str) -> None:
+        """Durable before the call leaves: the reconcile grace counts from here."""
+        await self._run(
+            lambda conn: conn.execute(
+                f"UPDATE receipts SET forwarded_at = {_NOW} WHERE id = $1 AND status = 'pending'",
+                receipt_id,
+            ),
+            writes=True,
+        )
+
+    async def mark_incomplete(self, receipt_id: str) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "UPDATE receipts SET error = 'response_incomplete', replayable = false, "
+                "response_headers = NULL, response_body = NULL WHERE id = $1",
+                receipt_id,
+            ),
+            writes=True,
+        )
+
+    async def resolve(
+        self,
+        receipt_id: str,
+        outcome: Resolution,
+        source: str,
+        note: str | None,
+        waits: ReconcileWaits,
+    ) -> Receipt | ResolveRefused:
+        async def op(conn: Any) -> Receipt | ResolveRefused:
+            row = await conn.fetchrow(
+                f"SELECT status, resource, idempotency_key, upstream, forwarded_at, created_at, "
+                f"{_NOW} AS now FROM receipts WHERE id = $1 FOR UPDATE",
+                receipt_id,
+            )
+            if row is None:
+                return ResolveRefused.NOT_FOUND
+            now = row["now"]
+            ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
+            if not may_resolve(row["status"], ready_at, now):
+                return ResolveRefused.NOT_RECONCILABLE
+            resolution = {"outcome": outcome, "source": source, "note": note, "at": rfc3339(now)}
+            updated = await conn.fetchrow(
+                "UPDATE receipts SET status = 'reconciled', resolution = $2, "
+                f"completed_at = coalesce(completed_at, $3) WHERE id = $1 "
+                f"RETURNING {_RECEIPT_SELECT}",
+                receipt_id,
+                json.dumps(resolution),
+                now,
+            )
+            await conn.execute(
+                _SETTLE_KEY, row["resource"], row["idempotency_key"], receipt_id, now
+            )
+            return receipt_of(updated)
+
+        return await self._tx(op)
+
+    # -- reads (§7) ---------------------------------------------------------------------------
+
+    async def get_receipt(self, receipt_id: str) -> Receipt | None:
+        async def op(conn: Any) -> Receipt | None:
+            row = await conn.fetchrow(
+                f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = $1", receipt_id
+            )
+            return receipt_of(row) if row else None
+
+        return await self._run(op, writes=False)
+
+    async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
+        clauses: list[str] = []
+        params: list[object] = []
+        for column, value in (
+            ("resource", query.resource),
+            ("status", query.status),
+            ("owner", query.owner),
+            ("idempotency_key", query.idempotency_key),
+            ("fence >=", query.fence_min),
+            ("fence <=", query.fence_max),
+            ("created_at >=", query.since),
+            ("created_at <", query.until),
+            ("id >", query.after_id),
+        ):
+            if value is not None:
+                params.append(value)
+                operator = "" if " " in column else " ="
+                clauses.append(f"{column}{operator} ${len(params)}")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        params.append(query.limit)
+        sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ${len(params)}"
+
+        async def op(conn: Any) -> list[Receipt]:
+            return [receipt_of(row) for row in await conn.fetch(sql, *params)]
+
+        return await self._run(op, writes=False)
+
+    # -- leases (§6) --------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        client: str | None,
+        acquire_key: str | None,
+    ) -> AcquireResult:
+        """The acquire CAS, always durable: BEGIN, lock, read, write, COMMIT."""
+
+        async def op(conn: Any) -> AcquireResult:
+            locked = await conn.fetchrow(_LOCK_FENCES, resource)
+            current = await self._lease(conn, resource)
+            return await self._acquire_locked(
+                conn, resource, owner, ttl_s, lock_delay_s, client, acquire_key, locked, current
+            )
+
+        return await self._tx(op)
+
+    @staticmethod
+    async def _lease(conn: Any, resource: str) -> Lease | None:
+        row = await conn.fetchrow(_LEASE_BY_RESOURCE, resource)
+        return lease_of(row) if row else None
+
+    @staticmethod
+    async def _acquire_locked(
+        conn: Any,
+        resource: str,
+        owner: str,
+        ttl_s: float,
+        lock_delay_s: float,
+        client: str | None,
+        acquire_key: str | None,
+        locked: Any,
+        current: Lease | None,
+    ) -> AcquireResult:
+        """The acquire CAS under the resource's lock (`locked`: its fences row and now)."""
+        now: float = locked["now"]
+        decision = leases.decide_acquire(current, owner, client, acquire_key, lock_delay_s, now)
+        if current is not None and isinstance(decision, leases.Retried):
+            return AcquireResult("retried", shown(current, now), None)
+        if current is not None and isinstance(decision, leases.Held):
+            return AcquireResult("held", shown(current, now), None)
+        fence = fences.next_fence(locked["issued"], locked["accepted"])
+        await conn.execute(_GRANT, resource, owner, fence, client, acquire_key, now, now + ttl_s)
+        granted = Lease(
+            resource=resource,
+            owner=owner,
+            fence=fence,
+            state="held",
+            client=client,
+            acquire_key=acquire_key,
+            acquired_at=now,
+            renewed_at=now,
+            expires_at=now + ttl_s,
+        )
+        held = decision.held_seconds if isinstance(decision, leases.Grant) else None
+        return AcquireResult("acquired", granted, held)
+
+    async def renew(
+        self, resource: str, owner: str, fence: int, ttl_s: float, client: str | None = None
+    ) -> Lease | None:
+        """The renewed lease, or None when it is lost (not ours, expired or released)."""
+
+        async def op(conn: Any) -> Lease | None:
+            now = await conn.fetchval(_LOCK_FENCES_IF_ANY, resource)
+            current = None if now is None else await self._lease(conn, resource)
+            if current is None or not leases.may_renew(current, owner, fence, client, now):
+                return None
+            await conn.execute(
+                "UPDATE leases SET renewed_at = $2, expires_at = $3 WHERE resource = $1",
+                resource,
+                now,
+                now + ttl_s,
+            )
+            return replace(current, renewed_at=now, expires_at=now + ttl_s)
+
+        return await self._tx(op)
+
+    async def release(
+        self, resource: str, owner: str | None, fence: int | None, client: str | None = None
+    ) -> Release:
+        """With owner and fence None: an admin's revoke (`gateway.core.leases`)."""
+
+        async def op(conn: Any) -> Release:
+            now = await conn.fetchval(_LOCK_FENCES_IF_ANY, resource)
+            current = None if now is None else await self._lease(conn, resource)
+            decision = leases.decide_release(
+                current, owner, fence, client, 0.0 if now is None else now
+            )
+            if decision.action == "release":
+                await conn.execute(
+                    "UPDATE leases SET state = 'released', ended_at = $2 WHERE resource = $1",
+                    resource,
+                    now,
+                )
+            elif decision.action == "free":
+                await conn.execute(
+                    "UPDATE leases SET state = 'released' WHERE resource = $1", resource
+                )
+            return decision
+
+        return await self._tx(op)
+
+    async def get_lease(self, resource: str) -> Lease | None:
+        async def op(conn: Any) -> Lease | None:
+            row = await conn.fetchrow(
+                f"SELECT *, {_NOW} AS now FROM leases WHERE resource = $1", resource
+            )
+            return shown(lease_of(row), row["now"]) if row else None
+
+        return await self._run(op, writes=False)
+
+    async def list_leases(
+        self, prefix: str | None, state: str | None, after: str | None, limit: int
+    ) -> list[Lease]:
+        clauses: list[str] = []
+        params: list[object] = []
+        if prefix:
+            params.append(prefix)
+            clauses.append(f"starts_with(resource, ${len(params)})")
+        if after is not None:
+            params.append(after)
+            clauses.append(f"resource > ${len(params)}")
+        if state == "held":
+            clauses.append("state = 'held' AND expires_at > t.now")
+        elif state == "expired":
+            clauses.append("(state = 'expired' OR (state = 'held' AND expires_at <= t.now))")
+        elif state == "released":
+            clauses.append("state = 'released'")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        params.append(limit)
+        sql = (
+            f"WITH t AS (SELECT {_NOW} AS now) SELECT l.*, t.now FROM leases l CROSS JOIN t "
+            f"{where} ORDER BY resource LIMIT ${len(params)}"
+        )
+
+        async def op(conn: Any) -> list[Lease]:
+            return [shown(lease_of(row), row["now"]) for row in await conn.fetch(sql, *params)]
+
+        return await self._run(op, writes=False)
+
+    async def expire_leases(self, cleanup_delay: CleanupDelay | None = None) -> list[Lease]:
+        """Lock the fences rows of held leases past expiry (skipping resources another
+        transaction holds: the next sweep gets them), mark them `expired` and owe their
+        cleanups, in one transaction."""
+
+        async def op(conn: Any) -> list[Lease]:
+            locked = await conn.fetch(
+                f"SELECT f.resource, {_NOW} AS now FROM fences f JOIN leases l "
+                f"ON l.resource = f.resource WHERE l.state = 'held' AND l.expires_at <= {_NOW} "
+                "ORDER BY f.resource FOR UPDATE OF f SKIP LOCKED"
+            )
+            if not locked:
+                return []
+            now = max(row["now"] for row in locked)
+            rows = await conn.fetch(
+                "UPDATE leases SET state = 'expired', ended_at = $2 WHERE resource = ANY($1) "
+                "AND state = 'held' AND expires_at <= $2 RETURNING *",
+                [row["resource"] for row in locked],
+                now,
+            )
+            expired = sorted(
+                (replace(lease_of(row), state="held") for row in rows),
+                key=lambda lease: lease.resource,
+            )
+            if cleanup_delay is not None:
+                await self._schedule_cleanups(conn, expired, cleanup_delay, now)
+            return expired
+
+        return await self._tx(op)
+
+    # -- sweeper cleanups (§9; the decisions are gateway.core.cleanups') -------------------
+
+    @staticmethod
+    async def _schedule_cleanups(
+        conn: Any, expired: list[Lease], cleanup_delay: CleanupDelay, now: float
+    ) -> None:
+        owed = []
+        for lease in expired:
+            delay = cleanup_delay(lease.resource, lease.owner)
+            if delay is not None:
+                owed.append(
+                    (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now)
+                )
+        if owed:
+            # A newer expiry replaces an older owed cleanup: whoever held the resource in
+            # between superseded it, and the newest lease is the one to clean up after.
+            await conn.executemany(
+                "INSERT INTO cleanups (resource, lease_fence, lease_owner, due_at, attempts, "
+                "sweep_fence, last_error, created_at) VALUES ($1, $2, $3, $4, 0, NULL, NULL, $5) "
+                "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
+                "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
+                "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
+                owed,
+            )
+
+    async def due_cleanups(self, limit: int) -> list[str]:
+        """Resources whose owed cleanup is due now, the longest due first."""
+
+        async def op(conn: Any) -> list[str]:
+            return [
+                row["resource"]
+                for row in await conn.fetch(
+                    f"SELECT resource FROM cleanups WHERE due_at <= {_NOW} ORDER BY due_at "
+                    "LIMIT $1",
+                    limit,
+                )
+            ]
+
+        return await self._run(op, writes=False)
+
+    async def list_cleanups(self) -> list[OwedCleanup]:
+        async def op(conn: Any) -> list[OwedCleanup]:
+            return [
+                owed_cleanup_of(row)
+                for row in await conn.fetch("SELECT * FROM cleanups ORDER BY resource")
+            ]
+
+        return await self._run(op, writes=False)
+
+    async def claim_cleanup(
+        self, resource: str, owner: str, ttl_s: float, lock_delay_s: float, recheck_s: float
+    ) -> CleanupClaim:
+        """Decide the next step of an owed cleanup under the resource's lock and, when it is
+        to be tried, acquire the resource as `owner` (a new fence). Durable like every
+        acquire; each attempt is claimed by one sweeper, whichever replica it runs in."""
+
+        async def op(conn: Any) -> CleanupClaim:
+            locked = await conn.fetchrow(_LOCK_FENCES, resource)
+            now: float = locked["now"]
+            row = await conn.fetchrow("SELECT * FROM cleanups WHERE resource = $1", resource)
+            if row is None:
+                return CleanupClaim("not_due")
+            owed = owed_cleanup_of(row)
+            earlier = None
+            if owed.sweep_fence is not None:
+                key_row = await conn.fetchrow(
+                    _KEY_STATE, resource, idempotency.sweep_key(owed.sweep_fence)
+                )
+                earlier = key_state(key_row) if key_row else None
+            current = await self._lease(conn, resource)
+            verdict = cleanups.decide_claim(
+                owed,
+                earlier,
+                current.fence if current else None,
+                current.owner if current else None,
+                now,
+            )
+            if verdict is None:  # still owed, after the lease it follows: the acquire CAS
+                taken = await self._acquire_locked(
+                    conn, resource, owner, ttl_s, lock_delay_s, None, None, locked, current
+                )
+                if taken.result == "acquired":
+                    fence = taken.lease.fence
+                    await conn.execute(
+                        "UPDATE cleanups SET sweep_fence = $2, "
+                        "attempts = attempts + 1 WHERE resource = $1",
+                        resource,
+                        fence,
+                    )
+                    return CleanupClaim(
+                        "claimed",
+                        fence=fence,
+                        key=idempotency.sweep_key(fence),
+                        attempt=owed.attempts + 1,
+                        lease_fence=owed.lease_fence,
+                        lease_owner=owed.lease_owner,
+                    )
+                verdict = CleanupClaim("busy", holder=taken.lease.owner)
+            if verdict.state in ("waiting", "busy"):
+                await conn.execute(
+                    "UPDATE cleanups SET due_at = $2 WHERE resource = $1", resource, now + recheck_s
+                )
+            elif verdict.state in ("done", "superseded"):
+                await conn.execute("DELETE FROM cleanups WHERE resource = $1", resource)
+            return verdict
+
+        return await self._tx(op)
+
+    async def finish_cleanup(
+        self,
+        resource: str,
+        fence: int,
+        done: bool,
+        retry_at: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        """After attempt `fence`: forget the cleanup when `done`, else note why and when to
+        look again. A row a newer expiry replaced meanwhile is left alone (the statement's
+        `sweep_fence` condition)."""
+
+        async def op(conn: Any) -> None:
+            if done:
+                await conn.execute(
+                    "DELETE FROM cleanups WHERE resource = $1 AND sweep_fence = $2", resource, fence
+                )
+            else:
+                await conn.execute(
+                    f"UPDATE cleanups SET due_at = coalesce($3::float8, {_NOW}), "
+                    "last_error = $4 WHERE resource = $1 AND sweep_fence = $2",
+                    resource,
+                    fence,
+                    retry_at,
+                    error,
+                )
+
+        await self._run(op, writes=True)
+
+    async def drop_cleanup(self, resource: str) -> None:
+        await self._run(
+            lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = $1", resource),
+            writes=True,
+        )
+
+    # -- upkeep (§9) --------------------------------------------------------------------------
+
+    async def heartbeat(self) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                f"UPDATE instances SET heartbeat_at = {_NOW} WHERE id = $1", self.instance
+            ),
+            writes=True,
+        )
+
+    async def expire_pending(
+        self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]
+    ) -> dict[str, int]:
+        """Turn lost `pending` receipts `outcome_unknown` (`gateway.core.receipts.is_lost`),
+        judged by the database's clock; the update takes only those still `pending`, so with
+        several sweepers each receipt is counted once."""
+
+        async def op(conn: Any) -> dict[str, int]:
+            rows = await conn.fetch(
+                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at, "
+                f"{_NOW} AS now FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
+                "WHERE r.status = 'pending'"
+            )
+            lost = [
+                row["id"]
+                for row in rows
+                if is_lost(
+                    in_flight_here=row["id"] in in_flight,
+                    heartbeat_at=row["heartbeat_at"],
+                    silent_after_s=silent_after_s,
+                    now=row["now"],
+                    ready_at=waits.ready_at(
+                        row["upstream"], row["forwarded_at"], row["created_at"]
+                    ),
+                )
+            ]
+            if not lost:
+                return {}
+            self._commit_hook()
+            turned = await conn.fetch(
+                "UPDATE receipts SET status = 'outcome_unknown', error = 'outcome_not_recorded' "
+                "WHERE id = ANY($1) AND status = 'pending' RETURNING upstream",
+                lost,
+            )
+            counts: dict[str, int] = {}
+            for row in turned:
+                counts[row["upstream"]] = counts.get(row["upstream"], 0) + 1
+            return counts
+
+        return await self._run(op, writes=False)
+
+    async def prune(self, receipt_retention_s: float) -> int:
+        async def op(conn: Any) -> int:
+            await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at < {_NOW}")
+            status = await conn.execute(
+                "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
+                f"IN ({_SETTLED}) AND r.completed_at < {_NOW} - $1 AND NOT EXISTS (SELECT 1 "
+                "FROM idempotency_keys k WHERE k.resource = r.resource "
+                "AND k.receipt_id = r.id) LIMIT $2)",
+                receipt_retention_s,
+                PRUNE_BATCH,
+            )
+            return int(status.split()[-1])  # "DELETE n"
+
+        return await self._run(op, writes=True)
+
+    async def oldest_unknown_age(self) -> float:
+        async def op(conn: Any) -> float:
+            age = await conn.fetchval(
+                f"SELECT {_NOW} - min(created_at) FROM receipts WHERE status = 'outcome_unknown'"
+            )
+            return float(age) if age is not None else 0.0
+
+        return await self._run(op, writes=False)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
