@@ -78,7 +78,6 @@ class Exchange:
 async def forward(
     app: web.Application,
     flow: Flow,
-    call: Call,
     place: Place,
     body: bytes | None,
     client: web.Request | None,
@@ -89,8 +88,8 @@ async def forward(
     for a call the gateway makes itself. The receipt counts as in flight here until the
     exchange closes, so the sweeper never takes it for lost.
     """
-    rule, upstream, receipt_id = flow.rule, flow.upstream, flow.receipt_id
-    if rule is None or upstream is None or receipt_id is None:
+    rule, upstream, call, receipt_id = flow.rule, flow.upstream, flow.call, flow.receipt_id
+    if rule is None or upstream is None or call is None or receipt_id is None:
         raise ValueError("forward needs an admitted flow")
     store, metrics, failpoints = app[appkeys.STORE], app[appkeys.METRICS], app[appkeys.FAILPOINTS]
     in_flight = app[appkeys.IN_FLIGHT]

@@ -93,9 +93,7 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
             headers.IDEMPOTENCY_HEADER: call.idempotency_key,
             headers.FENCE_HEADER: str(call.fence),
         }
-        async with forward(
-            app, flow, call, place, _body_or_none(request, body), request
-        ) as exchange:
+        async with forward(app, flow, place, _body_or_none(request, body), request) as exchange:
             if not exchange.recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
             if exchange.head is None:

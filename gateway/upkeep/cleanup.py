@@ -233,7 +233,7 @@ class Cleaner:
                 return Outcome("not_sent", error="replayed"), result.receipt_id
             flow.receipt_id = result.receipt_id
             flow.rest = template.render(resource, fence, key, result.receipt_id)
-            async with forward(app, flow, call, place, None, None) as exchange:
+            async with forward(app, flow, place, None, None) as exchange:
                 return exchange.outcome, result.receipt_id
 
     async def _release(self, resource: str, owner: str, fence: int) -> None:
