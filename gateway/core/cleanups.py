@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.core.idempotency import KeyState
+from gateway.core.idempotency import KeyState, sweep_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,28 @@ class CleanupClaim:
     lease_owner: str | None = None
     receipt_id: str | None = None
     holder: str | None = None
+
+
+def claimed(owed: OwedCleanup, fence: int) -> CleanupClaim:
+    """The sweeper took the resource under `fence`: this attempt's claim."""
+    return CleanupClaim(
+        "claimed",
+        fence=fence,
+        key=sweep_key(fence),
+        attempt=owed.attempts + 1,
+        lease_fence=owed.lease_fence,
+        lease_owner=owed.lease_owner,
+    )
+
+
+def row_action(claim: CleanupClaim) -> Literal["recheck", "forget", "keep"]:
+    """What the owed row needs after a claim: looked at again later (it waits for an unknown
+    outcome or a held resource), forgotten (done, or superseded), or kept as it is."""
+    if claim.state in ("waiting", "busy"):
+        return "recheck"
+    if claim.state in ("done", "superseded"):
+        return "forget"
+    return "keep"
 
 
 def decide_claim(

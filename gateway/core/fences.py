@@ -56,6 +56,24 @@ def check_gateway(
     return None
 
 
+def check(
+    issuer: Issuer,
+    fence: int,
+    issued: int,
+    accepted: int,
+    lease: LeaseView | None,
+    owner: str | None,
+    client: str | None,
+    clients_configured: bool,
+) -> tuple[FenceRefusal | None, str | None]:
+    """Step 4 for either issuer: the refusal (None: go on), and the owner the receipt
+    records. `lease` is only looked at for the gateway issuer."""
+    if issuer == "external":
+        return check_external(fence, accepted), owner
+    refusal = check_gateway(fence, issued, lease, owner, client, clients_configured)
+    return refusal, recorded_owner(owner, fence, lease)
+
+
 def recorded_owner(presented: str | None, fence: int, lease: LeaseView | None) -> str | None:
     """The receipt's `owner`: the lease's owner when the token is its fence, else
     `X-Lease-Owner` as presented (docs/contract.md §7)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.core.fences import LeaseView
 from gateway.core.times import rfc3339
 
 LeaseState = Literal["held", "expired", "released"]
@@ -38,6 +39,12 @@ class Lease:
 
     def live(self, now: float) -> bool:
         return self.state == "held" and now < self.expires_at
+
+    def view(self, now: float) -> LeaseView:
+        """What the fence check needs of this lease at `now`."""
+        return LeaseView(
+            owner=self.owner, fence=self.fence, client=self.client, live=self.live(now)
+        )
 
     def shown(self, now: float) -> LeaseState:
         """A `held` lease past its expiry is shown `expired`, before the sweeper marks it."""

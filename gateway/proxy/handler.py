@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from hashlib import sha256
@@ -104,8 +105,10 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
                 request, exchange.head, exchange.answer, answer_headers, exchange.deadline
             )
         if broke and not exchange.head.broken:
-            with contextlib.suppress(errors.StoreUnavailable):
+            try:
                 await app[appkeys.STORE].mark_incomplete(result.receipt_id)
+            except errors.StoreUnavailable as exc:  # the answer is gone; only the log can tell
+                logs.event("store_write_failed", logging.WARNING, error=str(exc))
         return response
 
 
@@ -186,7 +189,7 @@ async def _keep_rejection(request: web.Request, flow: Flow, error: errors.Gatewa
     try:
         receipt_id = await request.app[appkeys.STORE].reject(rejection)
     except errors.StoreUnavailable as exc:
-        logs.event("store_write_failed", error=str(exc))
+        logs.event("store_write_failed", logging.WARNING, error=str(exc))
         return
     error.headers[headers.RECEIPT_HEADER] = receipt_id
 

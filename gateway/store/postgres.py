@@ -24,7 +24,7 @@ import asyncpg
 
 from gateway.core import cleanups, fences, idempotency, leases, outcomes
 from gateway.core.errors import BY_CODE, StoreUnavailable
-from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost, may_resolve
+from gateway.core.receipts import ReconcileWaits, Resolution, is_lost, may_resolve
 from gateway.core.times import rfc3339
 from gateway.store.base import (
     AcquireResult,
@@ -46,7 +46,16 @@ from gateway.store.base import (
     shown,
 )
 from gateway.store.ids import MonotonicUlid
-from gateway.store.rows import RECEIPT_COLUMNS, key_state, lease_of, owed_cleanup_of, receipt_of
+from gateway.store.rows import (
+    RECEIPT_SELECT,
+    SETTLED_SQL,
+    count_by_upstream,
+    key_state,
+    lease_of,
+    owed_cleanup_of,
+    receipt_filters,
+    receipt_of,
+)
 
 T = TypeVar("T")
 
@@ -60,8 +69,6 @@ _RETRIES = 3  # a deadlock or serialization failure is retried this many times i
 _DURABLE_SETTINGS = ("on", "remote_write", "remote_apply")
 
 _NOW = "extract(epoch from clock_timestamp())::float8"
-_RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
-_SETTLED = ", ".join(f"'{status}'" for status in sorted(SETTLED))
 _LEASE_COLUMNS = (
     "resource",
     "owner",
@@ -329,26 +336,17 @@ class PostgresStore:
         locked = await conn.fetchrow(_LOCK_FENCES, call.resource)
         issued, accepted, now = locked["issued"], locked["accepted"], locked["now"]
         row = await conn.fetchrow(_ADMIT_READ, call.resource, call.idempotency_key)
-        owner = call.owner
-        code: str | None
-        if call.issuer == "gateway":
-            current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
-            lease = (
-                None
-                if current is None
-                else fences.LeaseView(
-                    owner=current.owner,
-                    fence=current.fence,
-                    client=current.client,
-                    live=current.live(now),
-                )
-            )
-            code = fences.check_gateway(
-                call.fence, issued, lease, call.owner, call.client, call.clients_configured
-            )
-            owner = fences.recorded_owner(call.owner, call.fence, lease)
-        else:
-            code = fences.check_external(call.fence, accepted)
+        current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        code, owner = fences.check(
+            call.issuer,
+            call.fence,
+            issued,
+            accepted,
+            current.view(now) if current else None,
+            call.owner,
+            call.client,
+            call.clients_configured,
+        )
         if code is not None:
             receipt_id = self._new_id(now)
             await conn.execute(
@@ -550,7 +548,7 @@ class PostgresStore:
             updated = await conn.fetchrow(
                 "UPDATE receipts SET status = 'reconciled', resolution = $2, "
                 f"completed_at = coalesce(completed_at, $3) WHERE id = $1 "
-                f"RETURNING {_RECEIPT_SELECT}",
+                f"RETURNING {RECEIPT_SELECT}",
                 receipt_id,
                 json.dumps(resolution),
                 now,
@@ -567,33 +565,20 @@ class PostgresStore:
     async def get_receipt(self, receipt_id: str) -> Receipt | None:
         async def op(conn: Any) -> Receipt | None:
             row = await conn.fetchrow(
-                f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = $1", receipt_id
+                f"SELECT {RECEIPT_SELECT} FROM receipts WHERE id = $1", receipt_id
             )
             return receipt_of(row) if row else None
 
         return await self._run(op, writes=False)
 
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        clauses: list[str] = []
-        params: list[object] = []
-        for column, value in (
-            ("resource", query.resource),
-            ("status", query.status),
-            ("owner", query.owner),
-            ("idempotency_key", query.idempotency_key),
-            ("fence >=", query.fence_min),
-            ("fence <=", query.fence_max),
-            ("created_at >=", query.since),
-            ("created_at <", query.until),
-            ("id >", query.after_id),
-        ):
-            if value is not None:
-                params.append(value)
-                operator = "" if " " in column else " ="
-                clauses.append(f"{column}{operator} ${len(params)}")
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        params.append(query.limit)
-        sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ${len(params)}"
+        filters = receipt_filters(query)
+        where = " AND ".join(f"{condition} ${n}" for n, (condition, _) in enumerate(filters, 1))
+        sql = (
+            f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
+            f"ORDER BY id LIMIT ${len(filters) + 1}"
+        )
+        params = [value for _, value in filters] + [query.limit]
 
         async def op(conn: Any) -> list[Receipt]:
             return [receipt_of(row) for row in await conn.fetch(sql, *params)]
@@ -864,20 +849,13 @@ class PostgresStore:
                         resource,
                         fence,
                     )
-                    return CleanupClaim(
-                        "claimed",
-                        fence=fence,
-                        key=idempotency.sweep_key(fence),
-                        attempt=owed.attempts + 1,
-                        lease_fence=owed.lease_fence,
-                        lease_owner=owed.lease_owner,
-                    )
+                    return cleanups.claimed(owed, fence)
                 verdict = CleanupClaim("busy", holder=taken.lease.owner)
-            if verdict.state in ("waiting", "busy"):
+            if cleanups.row_action(verdict) == "recheck":
                 await conn.execute(
                     "UPDATE cleanups SET due_at = $2 WHERE resource = $1", resource, now + recheck_s
                 )
-            elif verdict.state in ("done", "superseded"):
+            elif cleanups.row_action(verdict) == "forget":
                 await conn.execute("DELETE FROM cleanups WHERE resource = $1", resource)
             return verdict
 
@@ -962,10 +940,7 @@ class PostgresStore:
                 "WHERE id = ANY($1) AND status = 'pending' RETURNING upstream",
                 lost,
             )
-            counts: dict[str, int] = {}
-            for row in turned:
-                counts[row["upstream"]] = counts.get(row["upstream"], 0) + 1
-            return counts
+            return count_by_upstream(turned)
 
         return await self._run(op, writes=False)
 
@@ -974,7 +949,7 @@ class PostgresStore:
             await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at < {_NOW}")
             status = await conn.execute(
                 "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
-                f"IN ({_SETTLED}) AND r.completed_at < {_NOW} - $1 AND NOT EXISTS (SELECT 1 "
+                f"IN ({SETTLED_SQL}) AND r.completed_at < {_NOW} - $1 AND NOT EXISTS (SELECT 1 "
                 "FROM idempotency_keys k WHERE k.resource = r.resource "
                 "AND k.receipt_id = r.id) LIMIT $2)",
                 receipt_retention_s,

@@ -7,13 +7,15 @@ them into the values of `gateway.core` and `gateway.store.base`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gateway.core.cleanups import OwedCleanup
 from gateway.core.idempotency import KeyState
 from gateway.core.leases import Lease
-from gateway.store.base import Receipt
+from gateway.core.receipts import SETTLED
+from gateway.store.base import Receipt, ReceiptQuery
 
 RECEIPT_COLUMNS = (
     "id",
@@ -38,6 +40,34 @@ RECEIPT_COLUMNS = (
     "instance",
     "resolution",
 )
+
+RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
+"""What a receipt read selects: never the stored answers, which can be 64 KiB each."""
+
+SETTLED_SQL = ", ".join(f"'{status}'" for status in sorted(SETTLED))
+"""The statuses retention may delete, as an SQL list."""
+
+
+def receipt_filters(query: ReceiptQuery) -> list[tuple[str, object]]:
+    """A receipt list's conditions as (column and operator, value) pairs, in one order for
+    every backend; each renders its own placeholders."""
+    conditions = (
+        ("resource =", query.resource),
+        ("status =", query.status),
+        ("owner =", query.owner),
+        ("idempotency_key =", query.idempotency_key),
+        ("fence >=", query.fence_min),
+        ("fence <=", query.fence_max),
+        ("created_at >=", query.since),
+        ("created_at <", query.until),
+        ("id >", query.after_id),
+    )
+    return [(condition, value) for condition, value in conditions if value is not None]
+
+
+def count_by_upstream(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Receipts per upstream (the rows have an `upstream` column)."""
+    return dict(Counter(row["upstream"] for row in rows))
 
 
 def receipt_of(row: Mapping[str, Any]) -> Receipt:

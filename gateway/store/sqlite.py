@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from gateway.core import cleanups, fences, idempotency, leases, outcomes
 from gateway.core.errors import BY_CODE, StoreUnavailable
-from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost, may_resolve
+from gateway.core.receipts import ReconcileWaits, Resolution, is_lost, may_resolve
 from gateway.core.times import Clock, rfc3339
 from gateway.store.base import (
     AcquireResult,
@@ -46,14 +46,20 @@ from gateway.store.base import (
 )
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
-from gateway.store.rows import RECEIPT_COLUMNS, key_state, lease_of, owed_cleanup_of, receipt_of
+from gateway.store.rows import (
+    RECEIPT_SELECT,
+    SETTLED_SQL,
+    count_by_upstream,
+    key_state,
+    lease_of,
+    owed_cleanup_of,
+    receipt_filters,
+    receipt_of,
+)
 
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-# What a receipt list reads: never the stored answers, which can be 64 KiB each.
-_RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
-_SETTLED = ", ".join(f"'{status}'" for status in sorted(SETTLED))
 
 
 class StoreLocked(Exception):
@@ -158,7 +164,7 @@ class SqliteStore:
             "INSERT OR REPLACE INTO instances (id, started_at, heartbeat_at) VALUES (?, ?, ?)",
             (self.instance, now, now),
         )
-        self.recovered = _count_by_upstream(
+        self.recovered = count_by_upstream(
             conn.execute(
                 "UPDATE receipts SET status = 'outcome_unknown', error = 'gateway_restarted' "
                 "WHERE status = 'pending' RETURNING upstream"
@@ -192,25 +198,17 @@ class SqliteStore:
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         now = self._now()
         issued, accepted = self._fences(conn, call.resource)
-        owner = call.owner
-        if call.issuer == "gateway":
-            current = self._lease(conn, call.resource)
-            lease = (
-                None
-                if current is None
-                else fences.LeaseView(
-                    owner=current.owner,
-                    fence=current.fence,
-                    client=current.client,
-                    live=current.live(now),
-                )
-            )
-            code: str | None = fences.check_gateway(
-                call.fence, issued, lease, call.owner, call.client, call.clients_configured
-            )
-            owner = fences.recorded_owner(call.owner, call.fence, lease)
-        else:
-            code = fences.check_external(call.fence, accepted)
+        current = self._lease(conn, call.resource) if call.issuer == "gateway" else None
+        code, owner = fences.check(
+            call.issuer,
+            call.fence,
+            issued,
+            accepted,
+            current.view(now) if current else None,
+            call.owner,
+            call.client,
+            call.clients_configured,
+        )
         if code is not None:
             return Refused(code, self._insert_rejected(conn, call, owner, code, now, False))
 
@@ -471,37 +469,20 @@ class SqliteStore:
     async def get_receipt(self, receipt_id: str) -> Receipt | None:
         def op(conn: sqlite3.Connection) -> Receipt | None:
             row = conn.execute(
-                f"SELECT {_RECEIPT_SELECT} FROM receipts WHERE id = ?", (receipt_id,)
+                f"SELECT {RECEIPT_SELECT} FROM receipts WHERE id = ?", (receipt_id,)
             ).fetchone()
             return receipt_of(row) if row else None
 
         return await self._read(op)
 
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        clauses: list[str] = []
-        params: list[object] = []
-        for column, value in (
-            ("resource", query.resource),
-            ("status", query.status),
-            ("owner", query.owner),
-            ("idempotency_key", query.idempotency_key),
-        ):
-            if value is not None:
-                clauses.append(f"{column} = ?")
-                params.append(value)
-        for clause, bound in (
-            ("fence >= ?", query.fence_min),
-            ("fence <= ?", query.fence_max),
-            ("created_at >= ?", query.since),
-            ("created_at < ?", query.until),
-            ("id > ?", query.after_id),
-        ):
-            if bound is not None:
-                clauses.append(clause)
-                params.append(bound)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        sql = f"SELECT {_RECEIPT_SELECT} FROM receipts {where} ORDER BY id LIMIT ?"
-        params.append(query.limit)
+        filters = receipt_filters(query)
+        where = " AND ".join(f"{condition} ?" for condition, _ in filters)
+        sql = (
+            f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
+            "ORDER BY id LIMIT ?"
+        )
+        params = [value for _, value in filters] + [query.limit]
         return await self._read(
             lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()]
         )
@@ -754,20 +735,13 @@ class SqliteStore:
                     "WHERE resource = ?",
                     (fence, resource),
                 )
-                return CleanupClaim(
-                    "claimed",
-                    fence=fence,
-                    key=idempotency.sweep_key(fence),
-                    attempt=owed.attempts + 1,
-                    lease_fence=owed.lease_fence,
-                    lease_owner=owed.lease_owner,
-                )
+                return cleanups.claimed(owed, fence)
             verdict = CleanupClaim("busy", holder=taken.lease.owner)
-        if verdict.state in ("waiting", "busy"):
+        if cleanups.row_action(verdict) == "recheck":
             conn.execute(
                 "UPDATE cleanups SET due_at = ? WHERE resource = ?", (now + recheck_s, resource)
             )
-        elif verdict.state in ("done", "superseded"):
+        elif cleanups.row_action(verdict) == "forget":
             conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
         return verdict
 
@@ -842,7 +816,7 @@ class SqliteStore:
                 "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
                 [(row["id"],) for row in lost],
             )
-            return _count_by_upstream(lost)
+            return count_by_upstream(lost)
 
         return await self._write(op)
 
@@ -854,7 +828,7 @@ class SqliteStore:
             # where every admission waits behind it.
             cursor = conn.execute(
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
-                f"IN ({_SETTLED}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
+                f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
                 "idempotency_keys k WHERE k.receipt_id = r.id) LIMIT ?)",
                 (now - receipt_retention_s, PRUNE_BATCH),
             )
@@ -870,10 +844,3 @@ class SqliteStore:
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
         return await self._read(op)
-
-
-def _count_by_upstream(rows: list[sqlite3.Row]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["upstream"]] = counts.get(row["upstream"], 0) + 1
-    return counts

@@ -311,3 +311,42 @@ class TestCleanupClaim:
         first = cleanups.OwedCleanup("r", 3, "w", due_at=10.0, attempts=0, sweep_fence=None)
         assert cleanups.decide_claim(first, None, 3, "w", 20.0) is None
         assert cleanups.decide_claim(first, None, 4, "x", 20.0).state == "superseded"
+
+
+class TestOneEntryPoints:
+    """The single calls both store backends make for the fence check and cleanup claims."""
+
+    def test_check_by_issuer(self) -> None:
+        view = LeaseView("run-b", 5, None, live=True)
+        assert fences.check("external", 4, 0, 7, view, "x", None, False) == ("stale_fence", "x")
+        assert fences.check("external", 7, 0, 7, None, "x", None, False) == (None, "x")
+        assert fences.check("gateway", 5, 5, 0, view, None, None, False) == (None, "run-b")
+        assert fences.check("gateway", 6, 5, 0, view, "x", None, False) == (
+            "fence_not_issued",
+            "x",
+        )
+
+    def test_a_lease_is_viewed_live_until_it_expires(self) -> None:
+        assert lease().view(99.0) == LeaseView("w", 3, "c", live=True)
+        assert lease().view(100.0).live is False
+        assert lease("released").view(50.0).live is False
+
+    def test_a_claim_counts_its_attempt_and_keys_its_fence(self) -> None:
+        owed = cleanups.OwedCleanup("r", 3, "w", due_at=0.0, attempts=2, sweep_fence=4)
+        assert cleanups.claimed(owed, 6) == cleanups.CleanupClaim(
+            "claimed", fence=6, key="gw-sweep-6", attempt=3, lease_fence=3, lease_owner="w"
+        )
+
+    @pytest.mark.parametrize(
+        ("state", "action"),
+        [
+            ("waiting", "recheck"),
+            ("busy", "recheck"),
+            ("done", "forget"),
+            ("superseded", "forget"),
+            ("claimed", "keep"),
+            ("not_due", "keep"),
+        ],
+    )
+    def test_what_the_owed_row_needs_after_a_claim(self, state, action) -> None:
+        assert cleanups.row_action(cleanups.CleanupClaim(state)) == action
