@@ -88,7 +88,8 @@ def reason_lines(lines: list[str]) -> list[str]:
 async def refused(port: int) -> bool:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
+        # A listener closing while the connection sits in its backlog resets it: refused too.
         return True
     writer.close()
     return False
