@@ -8,6 +8,7 @@ from aiohttp import web
 
 from gateway.core import errors
 from gateway.proxy import appkeys
+from gateway.upkeep.sweeper import heartbeat
 
 routes = web.RouteTableDef()
 
@@ -23,13 +24,13 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready when the store answers and accepts a write, and policies are loaded."""
     app = request.app
     try:
-        await app[appkeys.STORE].heartbeat()
+        await heartbeat(app)
     except errors.StoreUnavailable as exc:
         raise errors.StoreUnavailable(f"the store does not accept writes: {exc}") from None
     return web.json_response(
         {
             "status": "ready",
-            "instance": app[appkeys.SETTINGS].instance_id,
+            "instance": app[appkeys.STORE].instance,
             "upstreams": sorted(app[appkeys.POLICIES].upstreams),
         }
     )

@@ -30,7 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fence-gateway", description="A fencing reverse proxy for side-effecting tools."
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    commands.add_parser("serve", help="serve the gateway (configured by GATEWAY_* variables)")
+    serve = commands.add_parser(
+        "serve", help="serve the gateway (configured by GATEWAY_* variables)"
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="N processes on one port, each a replica (GATEWAY_WORKERS; PostgreSQL only)",
+    )
+    # One of the processes `--workers` starts: it shares the port with its siblings.
+    serve.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     check = commands.add_parser("check-policies", help="validate policy files and exit")
     check.add_argument(
         "path", nargs="?", help="a YAML file or folder (default: GATEWAY_POLICIES or ./policies)"
@@ -47,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            return _serve()
+            return _serve(args.workers, args.worker)
         if args.command == "check-policies":
             return _check_policies(args.path)
         if args.command == "hash-key":
@@ -68,11 +78,12 @@ def _fail(message: str) -> int:
     return EXIT_CONFIG
 
 
-def _settings() -> Settings:
+def _settings(workers: int | None = None) -> Settings:
+    """The settings; `workers` from the command line overrides GATEWAY_WORKERS."""
     from gateway.config.settings import Settings
 
     try:
-        return Settings()
+        return Settings() if workers is None else Settings(workers=workers)
     except ValidationError as exc:
         error = exc.errors()[0]
         name = "GATEWAY_" + "_".join(str(p) for p in error["loc"]).upper()
@@ -83,7 +94,7 @@ class _Abort(Exception):
     pass
 
 
-def _serve() -> int:
+def _serve(workers: int | None, worker: bool) -> int:
     from gateway.proxy.upstream import require_no_resend_switch
 
     # First, and before the server's modules are imported: they need a newer aiohttp still.
@@ -95,18 +106,22 @@ def _serve() -> int:
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
     from gateway.server.serve import ConfigError, check_open_bind, serve
+    from gateway.server.workers import WorkersError, check_workers, supervise
 
     try:
-        settings = _settings()
+        settings = _settings(workers)
         logs.configure(settings.log_format, settings.log_level)
+        check_workers(settings)
         warnings: list[str] = []
         policies = load_policies(settings.policies, warnings=warnings)
         for warning in warnings:
             logs.event("policy_warning", 30, detail=warning)
         clients = load_clients(settings.clients) if settings.clients else None
         check_open_bind(settings)
-        asyncio.run(serve(settings, policies, clients))
-    except (_Abort, PolicyError, ConfigError) as exc:
+        if settings.workers > 1 and not worker:
+            return supervise(settings)
+        asyncio.run(serve(settings, policies, clients, reuse_port=worker))
+    except (_Abort, PolicyError, ConfigError, WorkersError) as exc:
         return _fail(str(exc))
     return 0
 

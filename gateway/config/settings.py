@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     allow_open: bool = False
     failpoints: str | None = None
+    workers: int = Field(1, ge=1, le=64)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config.policy import ResourceRule, Upstream
-from gateway.store.base import Call, Rejection
+from gateway.store.base import Admitted, Call, Rejection
 
 
 @dataclass(slots=True, eq=False)
@@ -29,9 +29,13 @@ class Flow:
     owner: str | None = None  # X-Lease-Owner as presented
     rule: ResourceRule | None = None
     call: Call | None = None  # what admission was asked
-    receipt_id: str | None = None
+    admitted: Admitted | None = None  # what admission said, when it let the call in
     status: int | None = None  # what the tool answered
     replayed: bool = False  # answered from a stored answer
+
+    @property
+    def receipt_id(self) -> str | None:
+        return self.admitted.receipt_id if self.admitted is not None else None
 
     def rejection(self, code: str, http_status: int) -> Rejection | None:
         """The `rejected` receipt of a refusal before admission: kept only once resource and

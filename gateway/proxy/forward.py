@@ -33,9 +33,21 @@ from gateway.store.base import Admitted, Call, Refused, Replayed
 # Client headers never passed on for a fenced call: the gateway sets its own key header.
 _FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(), headers.REQUEST_ID_HEADER.lower()})
 
-_BLOCKED_DETAIL = {
-    "resource_busy": "older calls of {resource!r} stayed in flight for {timeout}s",
-    "store_unavailable": "the store failed before the call could be sent; it was not sent",
+# Why an admitted call was not sent (the receipt's `error`) → the error the caller gets.
+_BLOCKED = {
+    "resource_busy": (
+        errors.ResourceBusy,
+        "older calls of {resource!r} stayed in flight for {timeout}s",
+    ),
+    "store_unavailable": (
+        errors.StoreUnavailable,
+        "the store failed before the call could be sent; it was not sent",
+    ),
+    "instance_lapsed": (
+        errors.StoreUnavailable,
+        "this gateway process lost its heartbeat with the store, so peers may already be "
+        "recovering its calls; the call was not sent",
+    ),
 }
 
 
@@ -88,23 +100,26 @@ async def forward(
     for a call the gateway makes itself. The receipt counts as in flight here until the
     exchange closes, so the sweeper never takes it for lost.
     """
-    rule, upstream, call, receipt_id = flow.rule, flow.upstream, flow.call, flow.receipt_id
-    if rule is None or upstream is None or call is None or receipt_id is None:
+    rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
+    if rule is None or upstream is None or call is None or admitted is None:
         raise ValueError("forward needs an admitted flow")
+    receipt_id = admitted.receipt_id
     store, metrics, failpoints = app[appkeys.STORE], app[appkeys.METRICS], app[appkeys.FAILPOINTS]
     in_flight = app[appkeys.IN_FLIGHT]
     in_flight.add(receipt_id)
     loop = asyncio.get_running_loop()
     try:
         failpoints.crash_at("after_admit")
-        blocked = await clear_to_forward(place, rule.queue_timeout_s, store, receipt_id)
+        blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
+        # The last check before the bytes leave, with no wait after it (docs/contract.md §14,
+        # "A replica fences itself"): a process paused past its heartbeat sends nothing.
+        if blocked is None and not store.may_forward(admitted.instance):
+            blocked = "instance_lapsed"
         if blocked is not None:
             outcome = Outcome("not_sent", error=blocked)
-            error = errors.from_code(
-                blocked,
-                _BLOCKED_DETAIL[blocked].format(
-                    resource=call.resource, timeout=rule.queue_timeout_s
-                ),
+            kind, detail = _BLOCKED[blocked]
+            error = kind(
+                detail.format(resource=call.resource, timeout=rule.queue_timeout_s),
                 retry_after=1,
             )
             yield Exchange(

@@ -87,7 +87,7 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
             raise _error_for(result)
         if isinstance(result, Replayed):
             return await _replay(request, flow, call, result)
-        flow.receipt_id = result.receipt_id
+        flow.admitted = result
         answer_headers = {
             headers.RECEIPT_HEADER: result.receipt_id,
             headers.REQUEST_ID_HEADER: flow.request_id,
@@ -150,6 +150,7 @@ async def _checked(
         retry_statuses=rule.idempotency.retry_statuses,
         retention_s=rule.idempotency.retention_s,
         clients_configured=app[appkeys.CLIENTS] is not None,
+        serial=rule.concurrency == "serial",
     )
     flow.call = call
     async with app[appkeys.LANES].join(resource) as place:

@@ -10,7 +10,10 @@ Two rules:
 * serial: calls of a `concurrency: serial` resource take turns, in arrival order.
 
 Lanes live in memory and vanish when a resource has no call; the fences themselves are in the
-store. A lane is per process, which is exact on SQLite (one process per database).
+store. A lane is per process, which is exact on SQLite (one process per database). With
+several processes on one store (docs/contract.md §14) the store also says, at admission,
+whether calls that must go first are pending on another process (`Admitted.ahead`): the call
+then waits for the store to see them gone, looking again after a short pause that doubles.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from gateway.store.base import Store, StoreUnavailable
+from gateway.store.base import Admitted, Call, Store, StoreUnavailable
+
+# Pauses between looks at the store for calls pending on other processes: a takeover there is
+# rare, and the first look usually finds the way clear (the local lane waited first).
+STORE_POLL_FIRST_S = 0.005
+STORE_POLL_MAX_S = 0.05
 
 
 class Lane:
@@ -121,23 +129,41 @@ class Place:
 
 
 async def clear_to_forward(
-    lane: Place, timeout_s: float, store: Store, receipt_id: str
+    place: Place, timeout_s: float, store: Store, call: Call, admitted: Admitted
 ) -> str | None:
     """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
-    served by a serial and a parallel rule at once). None when it may go; else why it may
-    not (`resource_busy`, `store_unavailable`), and it is then never sent.
+    served by a serial and a parallel rule at once), and a serial call's turn across
+    processes. None when it may go; else why it may not (`resource_busy`,
+    `store_unavailable`), and it is then never sent.
 
     A call that had to wait leaves later than its admission said: its `forwarded_at` is
     moved to now, durably, before it leaves, so that a reconciler's grace never ends while
     the call may still be running at the tool.
     """
-    older = lane.older()
-    if not older:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    older = place.older()
+    if not older and not admitted.ahead:
         return None
-    if not await lane.wait_for(older, timeout_s):
+    if older and not await place.wait_for(older, timeout_s):
         return "resource_busy"
     try:
-        await store.mark_forwarded(receipt_id)
+        if admitted.ahead and not await _clear_in_store(store, call, admitted, deadline):
+            return "resource_busy"
+        await store.mark_forwarded(admitted.receipt_id)
     except StoreUnavailable:
         return "store_unavailable"
     return None
+
+
+async def _clear_in_store(store: Store, call: Call, admitted: Admitted, deadline: float) -> bool:
+    """Wait until the store has no call pending that must go before this one; False at the
+    deadline."""
+    loop = asyncio.get_running_loop()
+    pause = STORE_POLL_FIRST_S
+    while await store.pending_ahead(call.resource, call.fence, admitted.turn):
+        if loop.time() + pause > deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, STORE_POLL_MAX_S)
+    return True

@@ -54,6 +54,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         instance=settings.instance_id,
         durability=settings.durability,
         before_commit=app[appkeys.FAILPOINTS].in_commit,
+        heartbeat_interval_s=settings.sweep_interval_s,
     )
     await store.open()
     app[appkeys.STORE] = store

@@ -45,7 +45,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(settings: Settings, policies: PolicySet, clients: Clients | None) -> None:
+async def serve(
+    settings: Settings, policies: PolicySet, clients: Clients | None, *, reuse_port: bool = False
+) -> None:
+    """Serve until SIGTERM or SIGINT. `reuse_port`: one of several workers on one port."""
     app = create_app(settings, policies, clients)
     runner = GatewayRunner(
         app,
@@ -65,7 +68,9 @@ async def serve(settings: Settings, policies: PolicySet, clients: Clients | None
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    site = web.TCPSite(
+        runner, settings.host, settings.port, reuse_address=True, reuse_port=reuse_port or None
+    )
     try:
         await site.start()
     except OSError as exc:

@@ -10,7 +10,12 @@ __all__ = ["Store", "StoreUnavailable", "create_store"]
 
 
 def create_store(
-    url: str, *, instance: str, durability: str, before_commit: Callable[[], None] = lambda: None
+    url: str,
+    *,
+    instance: str,
+    durability: str,
+    before_commit: Callable[[], None] = lambda: None,
+    heartbeat_interval_s: float = 1.0,
 ) -> Store:
     """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver."""
     if url.startswith("sqlite:///"):
@@ -29,6 +34,10 @@ def create_store(
             ) from exc
 
         return PostgresStore(
-            url, instance=instance, durability=durability, before_commit=before_commit
+            url,
+            instance=instance,
+            durability=durability,
+            before_commit=before_commit,
+            heartbeat_interval_s=heartbeat_interval_s,
         )
     raise ValueError(f"{url!r}: use sqlite:///PATH, postgresql://… or postgres://…")

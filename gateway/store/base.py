@@ -60,13 +60,23 @@ class Call:
     retry_statuses: frozenset[int]
     retention_s: float
     clients_configured: bool = False
+    serial: bool = False  # its rule's `concurrency: serial`: one call at a time
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
+    """A `pending` receipt. `instance`: the instance that admitted it, the only one that may
+    forward it. `ahead`: calls of the resource that must go first (a lower fence; for a
+    serial call, an earlier turn) were still pending when it was admitted, on some other
+    process sharing the store; `turn` is its place among the serial calls (docs/contract.md
+    §14). A store only one process uses says `ahead=False`: that process's lanes see all."""
+
     receipt_id: str
     attempt: int
     owner: str | None
+    instance: str
+    ahead: bool = False
+    turn: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +208,7 @@ class Store(Protocol):
     """What the gateway needs from durable state. Every method may raise StoreUnavailable."""
 
     recovered: dict[str, int]  # receipts turned outcome_unknown at open, by upstream
+    instance: str  # the id this process writes its receipts and heartbeat under, now
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
@@ -214,6 +225,17 @@ class Store(Protocol):
 
     async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
         """Record the outcome durably, late outcomes too (`gateway.core.outcomes`)."""
+        ...
+
+    async def pending_ahead(self, resource: str, fence: int, turn: int | None) -> bool:
+        """Whether calls that must go before an admitted one (`Admitted.ahead`) are still
+        pending anywhere."""
+        ...
+
+    def may_forward(self, instance: str) -> bool:
+        """Whether a call admitted under `instance` may leave now: this process still goes
+        by that id and has not lapsed (`gateway.core.liveness`). No I/O: it is asked right
+        before the bytes leave."""
         ...
 
     async def mark_forwarded(self, receipt_id: str) -> None:
@@ -244,7 +266,9 @@ class Store(Protocol):
 
     # upkeep (§9)
     async def heartbeat(self) -> None:
-        """Refresh this instance's heartbeat: also the write check of readiness."""
+        """Refresh this instance's heartbeat: also the write check of readiness. A store
+        shared by several processes may refuse it to an instance silent too long; the
+        process then goes on under a new `instance` id."""
         ...
 
     async def expire_pending(

@@ -14,7 +14,9 @@ read-decide-write is atomic across replicas. Steps about one receipt lock the re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib import resources
@@ -22,7 +24,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from gateway.core import cleanups, fences, idempotency, leases, outcomes
+from gateway.core import cleanups, fences, idempotency, leases, liveness, outcomes
 from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.receipts import ReconcileWaits, Resolution, is_lost, may_resolve
 from gateway.core.times import rfc3339
@@ -59,11 +61,15 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
-_MIGRATIONS = {1: "schema/postgres.sql"}
+_MIGRATIONS = {1: "schema/postgres-1.sql", 2: "schema/postgres-2.sql"}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
 POOL_MIN, POOL_MAX = 1, 10
+# A database that stops answering must not hold a call (or the heartbeat) forever: the call
+# fails closed with `store_unavailable` instead.
+CONNECT_TIMEOUT_S = 5.0
+COMMAND_TIMEOUT_S = 30.0
 PRUNE_BATCH = 1000
 _RETRIES = 3  # a deadlock or serialization failure is retried this many times in all
 _DURABLE_SETTINGS = ("on", "remote_write", "remote_apply")
@@ -128,14 +134,27 @@ _ADVANCE_AND_REPLAY = (
     "SELECT http_status, response_headers, response_body FROM receipts "
     "WHERE resource = $1 AND id = $3"
 )
+# The admission itself: the fence advanced (and, for a serial call, the resource's next turn
+# taken), the key claimed, the `pending` receipt written. It answers whether calls of the
+# resource that must go first are still pending, on any replica (the CTEs' writes are not
+# visible to the EXISTS: it sees the receipts admitted before this one). $15: 1 when serial.
 _ADMIT = (
-    f"WITH f AS ({_ADVANCE.format(fence='$3', resource='$1')}), "
+    "WITH f AS (UPDATE fences SET accepted = greatest(accepted, $3), turns = turns + $15 "
+    "WHERE resource = $1 RETURNING CASE WHEN $15 = 1 THEN turns END AS turn), "
     "k AS (INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
     "VALUES ($1, $9, $2, $14, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
-    "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, expires_at = NULL) "
-    "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-    "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance) "
-    "VALUES ($2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13)"
+    "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, expires_at = NULL), "
+    "r AS (INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
+    "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, turn) "
+    "SELECT $2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13, f.turn "
+    "FROM f) "
+    "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
+    "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
+)
+# The same question later, while the call waits.
+_AHEAD = (
+    "SELECT EXISTS (SELECT 1 FROM receipts WHERE resource = $1 AND status = 'pending' "
+    "AND (fence < $2 OR turn < $3))"
 )
 
 # An outcome onto a receipt; $10: whether it settles the key (its retention starts).
@@ -167,6 +186,18 @@ _GRANT = (
 )
 
 
+# An instance's heartbeat is a lease (gateway.core.liveness): renewed only while not silent.
+_HEARTBEAT = (
+    f"UPDATE instances SET heartbeat_at = {_NOW} WHERE id = $1 "
+    f"AND heartbeat_at > {_NOW} - $2 RETURNING id"
+)
+# An instance id is taken once, never reused: ON CONFLICT, the caller tries the next one.
+_CLAIM_INSTANCE = (
+    f"INSERT INTO instances (id, started_at, heartbeat_at) VALUES ($1, {_NOW}, {_NOW}) "
+    "ON CONFLICT (id) DO NOTHING RETURNING id"
+)
+
+
 class PostgresStartupError(Exception):
     """The database is one this replica must not serve on: exit 2 at start (one line)."""
 
@@ -193,11 +224,16 @@ class PostgresStore:
         instance: str,
         durability: str = "strict",
         before_commit: Callable[[], None] = lambda: None,
+        heartbeat_interval_s: float = 1.0,
         pool_min: int = POOL_MIN,
         pool_max: int = POOL_MAX,
     ) -> None:
         self.url = url
-        self.instance = instance
+        self.instance = self._first_instance = instance
+        self._generation = 0  # how many instance ids this process has taken before
+        self._interval = heartbeat_interval_s
+        self._heartbeat_sent: float | None = None  # monotonic; see gateway.core.liveness
+        self._heartbeat_turn = asyncio.Lock()
         self._relaxed = durability == "relaxed"
         self._before_commit = before_commit
         self._pool_size = (pool_min, pool_max)
@@ -214,6 +250,8 @@ class PostgresStore:
                 min_size=self._pool_size[0],
                 max_size=self._pool_size[1],
                 reset=_keep_session,
+                timeout=CONNECT_TIMEOUT_S,
+                command_timeout=COMMAND_TIMEOUT_S,
             )
         except _database_errors() as exc:
             raise StoreUnavailable(f"cannot connect to PostgreSQL: {_one_line(exc)}") from exc
@@ -228,13 +266,8 @@ class PostgresStore:
                         )
                 async with conn.transaction():
                     await self._migrate(conn)
-                    await conn.execute(
-                        "INSERT INTO instances (id, started_at, heartbeat_at) "
-                        f"VALUES ($1, {_NOW}, {_NOW}) ON CONFLICT (id) DO UPDATE SET "
-                        "heartbeat_at = excluded.heartbeat_at",
-                        self.instance,
-                    )
                     last = await conn.fetchval("SELECT max(id) FROM receipts")
+                await self._take_instance_id(conn)
         except BaseException as exc:
             await self._pool.close()
             self._pool = None
@@ -266,6 +299,18 @@ class PostgresStore:
             await conn.execute(
                 f"INSERT INTO schema_version (version, applied_at) VALUES ($1, {_NOW})", step
             )
+
+    async def _take_instance_id(self, conn: Any) -> None:
+        """Go on under the first id of `first`, `first.1`, `first.2`… that no instance ever
+        had: an id that was ever silent stays dead (its receipts may be being recovered), and
+        a restarted or duplicated `GATEWAY_INSTANCE_ID` never shares a heartbeat."""
+        while True:
+            candidate = liveness.next_instance_id(self._first_instance, self._generation)
+            sent = time.monotonic()
+            if await conn.fetchval(_CLAIM_INSTANCE, candidate) is not None:
+                self.instance, self._heartbeat_sent = candidate, sent
+                return
+            self._generation += 1
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -329,7 +374,8 @@ class PostgresStore:
     # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
-        """BEGIN, lock, read, write, COMMIT: five round trips."""
+        """BEGIN, lock, read, write, COMMIT: five round trips (asyncpg pipelines none of
+        them: each waits for the one before)."""
         return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
 
     async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
@@ -378,7 +424,7 @@ class PostgresStore:
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
         receipt_id = self._new_id(now)
-        await conn.execute(
+        admitted = await conn.fetchrow(
             _ADMIT,
             call.resource,
             receipt_id,
@@ -392,10 +438,18 @@ class PostgresStore:
             call.fingerprint,
             decision.attempt,
             now,
-            self.instance,
+            instance := self.instance,
             call.retention_s,
+            1 if call.serial else 0,
         )
-        return Admitted(receipt_id, decision.attempt, owner)
+        return Admitted(
+            receipt_id,
+            decision.attempt,
+            owner,
+            instance,
+            ahead=admitted["ahead"],
+            turn=admitted["turn"],
+        )
 
     def _rejected_args(
         self,
@@ -503,6 +557,17 @@ class PostgresStore:
         elif completion in (Completion.RECORDED, Completion.LATE):
             await conn.execute(_RECORD_LOCKED, *self._record_args(receipt_id, outcome, completion))
         return completion
+
+    async def pending_ahead(self, resource: str, fence: int, turn: int | None) -> bool:
+        """One statement, no lock: the receipts it looks for only ever leave `pending`."""
+        return bool(
+            await self._run(lambda conn: conn.fetchval(_AHEAD, resource, fence, turn), writes=False)
+        )
+
+    def may_forward(self, instance: str) -> bool:
+        return instance == self.instance and not liveness.lapsed(
+            self._heartbeat_sent, time.monotonic(), self._interval
+        )
 
     async def mark_forwarded(self, receipt_id: str) -> None:
         """Durable before the call leaves: the reconcile grace counts from here."""
@@ -899,12 +964,27 @@ class PostgresStore:
     # -- upkeep (§9) --------------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        await self._run(
-            lambda conn: conn.execute(
-                f"UPDATE instances SET heartbeat_at = {_NOW} WHERE id = $1", self.instance
-            ),
-            writes=True,
-        )
+        """Renew this instance's heartbeat lease; when the database refuses (the instance was
+        silent too long, and peers may be recovering its receipts), go on under a new id:
+        nothing admitted under the old one is ever forwarded (`may_forward`). Bounded by one
+        interval, so a database that hangs makes the instance lapse, never wait."""
+        async with self._heartbeat_turn:
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout(self._interval):
+                    renewed = await self._run(
+                        lambda conn: conn.fetchval(
+                            _HEARTBEAT, self.instance, liveness.SILENT_INTERVALS * self._interval
+                        ),
+                        writes=True,
+                    )
+                    if renewed is None:
+                        self._generation += 1
+                        await self._run(self._take_instance_id, writes=True)
+                        return
+            except TimeoutError:
+                raise StoreUnavailable("the heartbeat got no answer in time") from None
+            self._heartbeat_sent = sent
 
     async def expire_pending(
         self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]
@@ -947,6 +1027,11 @@ class PostgresStore:
     async def prune(self, receipt_retention_s: float) -> int:
         async def op(conn: Any) -> int:
             await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at < {_NOW}")
+            # Instances silent longer than receipts are kept: their receipts were recovered
+            # long ago, and a deleted instance can never renew its heartbeat.
+            await conn.execute(
+                f"DELETE FROM instances WHERE heartbeat_at < {_NOW} - $1", receipt_retention_s
+            )
             status = await conn.execute(
                 "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
                 f"IN ({SETTLED_SQL}) AND r.completed_at < {_NOW} - $1 AND NOT EXISTS (SELECT 1 "

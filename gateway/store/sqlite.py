@@ -273,7 +273,7 @@ class SqliteStore:
             "expires_at = NULL",
             (call.resource, call.idempotency_key, receipt_id, call.retention_s),
         )
-        return Admitted(receipt_id, decision.attempt, owner)
+        return Admitted(receipt_id, decision.attempt, owner, self.instance)
 
     @staticmethod
     def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
@@ -777,6 +777,12 @@ class SqliteStore:
         )
 
     # -- upkeep (§9) --------------------------------------------------------------------------
+
+    async def pending_ahead(self, resource: str, fence: int, turn: int | None) -> bool:
+        return False  # one process per database: its lanes see every call in flight
+
+    def may_forward(self, instance: str) -> bool:
+        return True  # no peer ever recovers this process's receipts while it runs
 
     async def heartbeat(self) -> None:
         await self._write(

@@ -209,6 +209,7 @@ class Cleaner:
             fingerprint=idempotency.fingerprint(method, upstream.mount + recorded_path, b""),
             retry_statuses=rule.idempotency.retry_statuses,
             retention_s=rule.idempotency.retention_s,
+            serial=rule.concurrency == "serial",
         )
         flow = Flow(
             new_request_id(),
@@ -231,7 +232,7 @@ class Cleaner:
                 return Outcome("not_sent", error=result.code), result.receipt_id
             if not isinstance(result, Admitted):  # a replay: a fresh fence's key cannot have one
                 return Outcome("not_sent", error="replayed"), result.receipt_id
-            flow.receipt_id = result.receipt_id
+            flow.admitted = result
             flow.rest = template.render(resource, fence, key, result.receipt_id)
             async with forward(app, flow, place, None, None) as exchange:
                 return exchange.outcome, result.receipt_id

@@ -1,6 +1,9 @@
-"""The background upkeep of docs/contract.md §9, one pass every `GATEWAY_SWEEP_INTERVAL_S`:
+"""The background upkeep of docs/contract.md §9.
 
-* refresh this instance's heartbeat;
+The heartbeat has a task of its own, twice per `GATEWAY_SWEEP_INTERVAL_S`, so that a slow
+sweep never makes the instance lapse (`gateway.core.liveness`). The sweep runs one pass every
+interval:
+
 * mark expired leases `expired` (and record how long they were held), scheduling the rule's
   `on_expiry` cleanup in the same transaction where there is one;
 * turn lost `pending` receipts `outcome_unknown`;
@@ -20,19 +23,19 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.core import errors
+from gateway.core.liveness import SILENT_INTERVALS
 from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.upkeep.cleanup import Cleaner
 from gateway.upkeep.reconcile import wait_times
 
-SILENT_INTERVALS = 3  # an instance this many intervals without a heartbeat is presumed dead
+HEARTBEATS_PER_INTERVAL = 2
 
 
 async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> None:
     settings, store = app[appkeys.SETTINGS], app[appkeys.STORE]
     metrics = app[appkeys.METRICS]
     cleaner = cleaner or Cleaner(app)
-    await store.heartbeat()
     for lease in await store.expire_leases(cleaner.owed_after):
         metrics.held.observe(max(0.0, lease.expires_at - lease.acquired_at))
         logs.event("lease_expired", resource=lease.resource, fence=lease.fence, owner=lease.owner)
@@ -57,11 +60,42 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the sweeper runs exactly while the app is up; cleanups in flight get the
     shutdown grace to finish and record their outcomes."""
     cleaner = Cleaner(app)
-    task = asyncio.create_task(_loop(app, cleaner), name="sweeper")
+    tasks = [
+        asyncio.create_task(_heartbeats(app), name="heartbeat"),
+        asyncio.create_task(_loop(app, cleaner), name="sweeper"),
+    ]
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     await cleaner.close(app[appkeys.SETTINGS].shutdown_grace_s)
+
+
+async def heartbeat(app: web.Application) -> None:
+    """Renew this instance's heartbeat; say so when the store made it go on under a new id."""
+    store = app[appkeys.STORE]
+    before = store.instance
+    await store.heartbeat()
+    if store.instance != before:
+        logs.event(
+            "instance_lapsed",
+            logging.ERROR,
+            instance=before,
+            now=store.instance,
+            detail="silent too long for the store: calls admitted under the old id are not sent",
+        )
+
+
+async def _heartbeats(app: web.Application) -> None:
+    pause = app[appkeys.SETTINGS].sweep_interval_s / HEARTBEATS_PER_INTERVAL
+    while True:
+        await asyncio.sleep(pause)
+        try:
+            await heartbeat(app)
+        except errors.StoreUnavailable as exc:
+            logs.event("heartbeat_failed", logging.WARNING, error=str(exc))
+        except Exception:
+            logs.log.exception("heartbeat failed unexpectedly")
 
 
 async def _loop(app: web.Application, cleaner: Cleaner) -> None:

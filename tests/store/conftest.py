@@ -6,11 +6,7 @@ on CI (`CI=true`), where they fail. PostgreSQL takes its time from the database,
 that injects a clock is SQLite-only: mark it `@pytest.mark.sqlite_only`.
 """
 
-import asyncio
-import os
-import secrets
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,11 +14,9 @@ import pytest
 from gateway.core.times import Clock
 from gateway.store import create_store
 from gateway.store.base import Store
+from tests.pg import create_database, drop_database, url_of
 
 BACKENDS = ["sqlite", "postgres"]
-
-PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
-PG_UNREACHABLE = "PostgreSQL is not reachable at 127.0.0.1:5432"
 
 _pg_databases: dict[Path, str] = {}  # tmp_path → the database created for it in this test
 
@@ -48,35 +42,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
-def _run_sync(coro_fn, *args):  # type: ignore[no-untyped-def]
-    """Run a coroutine on a loop of its own, also from inside a running test's loop."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro_fn(*args)).result()
-
-
-async def _server_sql(statement: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(f"{PG_SERVER}/postgres", timeout=5)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 def pg_database(tmp_path: Path) -> str:
     """The URL of this test's database (one per tmp_path), created on first use."""
     name = _pg_databases.get(tmp_path)
     if name is None:
-        name = f"fg_test_{secrets.token_hex(6)}"
-        try:
-            _run_sync(_server_sql, f"CREATE DATABASE {name}")
-        except (OSError, TimeoutError) as exc:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"{PG_UNREACHABLE}: {exc}")
-            pytest.skip(PG_UNREACHABLE)
-        _pg_databases[tmp_path] = name
-    return f"{PG_SERVER}/{name}"
+        name = _pg_databases[tmp_path] = create_database()
+    return url_of(name)
 
 
 def make_store(
@@ -105,7 +76,7 @@ def _drop_pg_databases() -> Iterator[None]:
     yield
     while _pg_databases:
         _, name = _pg_databases.popitem()
-        _run_sync(_server_sql, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        drop_database(name)
 
 
 @pytest.fixture(params=BACKENDS)

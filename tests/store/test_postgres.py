@@ -45,7 +45,7 @@ class TestSchema:
         stores = await replicas(tmp_path, 4)
         try:
             rows = await sql(tmp_path, "SELECT version FROM schema_version")
-            assert [row["version"] for row in rows] == [SCHEMA_VERSION]
+            assert [row["version"] for row in rows] == list(range(1, SCHEMA_VERSION + 1))
             instances = await sql(tmp_path, "SELECT id FROM instances ORDER BY id")
             assert [row["id"] for row in instances] == [f"replica-{i}" for i in range(4)]
             assert isinstance(await stores[0].admit(call(1)), Admitted)

@@ -1,4 +1,4 @@
--- fence-gateway on PostgreSQL, schema version 1 (docs/contract.md §14).
+-- fence-gateway on PostgreSQL, schema version 1 (docs/contract.md §14); later versions alter it.
 -- Times are epoch seconds (double precision) by the database's clock, as on SQLite.
 -- Every table but `instances` is keyed by its resource first. Text keys compare bytewise
 -- (COLLATE "C"), so listings and cursors order as they do on SQLite.

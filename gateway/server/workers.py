@@ -1,0 +1,93 @@
+"""`serve --workers N`: N gateway processes on one port, each a replica of the shared store
+(docs/contract.md §14).
+
+Each worker is this program's own `serve`, started with `--worker`: it binds the port with
+SO_REUSEPORT, so the kernel spreads new connections over the workers. This process only
+supervises: it passes SIGTERM and SIGINT on and waits for every worker to drain; it restarts
+a worker that dies on its own (at most once a second each), since its peers recover the dead
+one's calls like any replica's; and when a worker exits with a configuration error (status
+2), every worker would, so it stops them all and exits 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+
+from gateway.config.settings import Settings
+from gateway.observe import logs
+
+EXIT_CONFIG = 2
+RESTART_PAUSE_S = 1.0
+_POLL_S = 0.1
+
+
+class WorkersError(Exception):
+    """Settings that cannot run several workers: exit status 2."""
+
+
+def check_workers(settings: Settings) -> None:
+    if settings.workers == 1:
+        return
+    if settings.database_url.startswith("sqlite:///"):
+        raise WorkersError(
+            f"GATEWAY_WORKERS={settings.workers} needs a store that several processes share: "
+            "SQLite is one process per database file; set GATEWAY_DATABASE_URL=postgresql://…"
+        )
+    if settings.port == 0:
+        raise WorkersError(
+            "GATEWAY_WORKERS above 1 needs a fixed GATEWAY_PORT: the workers share one port"
+        )
+
+
+def worker_command() -> list[str]:
+    """How this program starts one worker: the same interpreter, `serve --worker`."""
+    return [sys.executable, "-m", "gateway", "serve", "--worker"]
+
+
+def supervise(settings: Settings) -> int:
+    """Run `settings.workers` workers until SIGTERM or SIGINT; the exit status."""
+    stopping: list[int] = []  # the signal received, once one is
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        stopping.append(signum)
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    started = [time.monotonic()] * settings.workers
+    workers.extend(subprocess.Popen(worker_command()) for _ in range(settings.workers))
+    logs.event("workers_started", count=settings.workers, pids=[w.pid for w in workers])
+    while True:
+        if stopping:
+            if all(worker.poll() is not None for worker in workers):
+                codes = [worker.returncode for worker in workers]
+                logs.event("workers_stopped", codes=codes)
+                return 0 if all(code == 0 for code in codes) else 1
+        else:
+            for index, worker in enumerate(workers):
+                code = worker.poll()
+                if code is None:
+                    continue
+                if code == EXIT_CONFIG:
+                    stop(signal.SIGTERM, None)
+                    _wait_all(workers)
+                    return EXIT_CONFIG
+                if time.monotonic() - started[index] < RESTART_PAUSE_S:
+                    continue  # not yet: a worker that dies at once must not spin
+                logs.event("worker_restarted", logging.ERROR, pid=worker.pid, code=code)
+                workers[index] = subprocess.Popen(worker_command())
+                started[index] = time.monotonic()
+        time.sleep(_POLL_S)
+
+
+def _wait_all(workers: list[subprocess.Popen[bytes]]) -> None:
+    for worker in workers:
+        worker.wait()
