@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 
@@ -13,6 +14,7 @@ from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
 from gateway.observe import logs
+from gateway.proxy import appkeys
 from gateway.server.app import create_app
 from gateway.server.http_server import GatewayRunner
 
@@ -34,6 +36,15 @@ def check_open_bind(settings: Settings) -> None:
     logs.event(
         "running_open", logging.WARNING, detail="no GATEWAY_CLIENTS: every caller is trusted"
     )
+
+
+def without_password(url: str) -> str:
+    """A database URL fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _is_loopback(host: str) -> bool:
@@ -80,8 +91,8 @@ async def serve(
         "serving",
         host=settings.host,
         port=settings.port,
-        instance=settings.instance_id,
-        database=settings.database_url,
+        instance=app[appkeys.STORE].instance,
+        database=without_password(settings.database_url),
         upstreams=",".join(sorted(policies.upstreams)),
     )
     await stop.wait()

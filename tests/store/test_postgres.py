@@ -3,6 +3,7 @@ database across several stores (replicas) on one database (docs/contract.md §14
 
 import asyncio
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,79 @@ class TestReplicas:
                 await second.close()
         finally:
             await first.close()
+
+
+class TestCallsInFlightOnAnyReplica:
+    """Admission tells a replica whether calls that must go first are pending elsewhere."""
+
+    async def test_a_newer_fence_waits_for_an_older_pending_one_on_a_peer(
+        self, tmp_path: Path
+    ) -> None:
+        a, b = await replicas(tmp_path)
+        try:
+            older = await a.admit(call(1, key="old"))
+            same = await b.admit(call(1, key="same"))
+            newer = await b.admit(call(2, key="new"))
+            assert isinstance(older, Admitted) and not older.ahead
+            assert isinstance(same, Admitted) and not same.ahead  # an equal fence runs beside
+            assert isinstance(newer, Admitted) and newer.ahead
+            assert await b.pending_ahead("acct/1", 2, newer.turn)
+            await a.complete(older.receipt_id, ok())
+            assert await b.pending_ahead("acct/1", 2, newer.turn)  # fence 1 of `same` is left
+            await b.complete(same.receipt_id, ok())
+            assert not await b.pending_ahead("acct/1", 2, newer.turn)
+        finally:
+            await close([a, b])
+
+    async def test_serial_calls_take_turns_across_replicas(self, tmp_path: Path) -> None:
+        a, b = await replicas(tmp_path)
+        serial = dict(resource="s/1", fp="sha256:s")
+        try:
+            first = await a.admit(replace(call(3, key="1", **serial), serial=True))
+            second = await b.admit(replace(call(3, key="2", **serial), serial=True))
+            beside = await b.admit(call(3, key="3", **serial))  # a parallel rule's call
+            assert isinstance(first, Admitted) and (first.turn, first.ahead) == (1, False)
+            assert isinstance(second, Admitted) and (second.turn, second.ahead) == (2, True)
+            assert isinstance(beside, Admitted) and (beside.turn, beside.ahead) == (None, False)
+            await a.complete(first.receipt_id, ok())
+            assert not await b.pending_ahead("s/1", 3, second.turn)
+        finally:
+            await close([a, b])
+
+
+class TestInstances:
+    async def test_an_instance_id_is_never_taken_twice(self, tmp_path: Path) -> None:
+        stores = [make_store("postgres", tmp_path, instance="same") for _ in range(3)]
+        for store in stores:
+            await store.open()
+        assert [store.instance for store in stores] == ["same", "same.1", "same.2"]
+        await close(stores)
+        again = make_store("postgres", tmp_path, instance="same")
+        await again.open()
+        assert again.instance == "same.3"  # a silent id stays dead: it may be being recovered
+        await again.close()
+
+    async def test_a_lapsed_instance_forwards_nothing_and_goes_on_under_a_new_id(
+        self, tmp_path: Path
+    ) -> None:
+        # Lapsed after two intervals by its own clock; refused by the database after three.
+        store = create_store(
+            pg_database(tmp_path), instance="r", durability="strict", heartbeat_interval_s=1.0
+        )
+        await store.open()
+        try:
+            admitted = await store.admit(call(1))
+            assert isinstance(admitted, Admitted) and admitted.instance == "r"
+            assert store.may_forward("r")
+            await asyncio.sleep(2.2)
+            assert not store.may_forward("r")  # lapsed: nothing leaves …
+            await store.heartbeat()
+            assert (store.instance, store.may_forward("r")) == ("r", True)  # … until renewed
+            await asyncio.sleep(3.2)
+            await store.heartbeat()  # silent too long: the database refuses the old id
+            assert store.instance == "r.1"
+            assert (store.may_forward("r"), store.may_forward("r.1")) == (False, True)
+            # The old id's call is never forwarded; its receipt waits for the sweeper.
+            assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await store.close()
