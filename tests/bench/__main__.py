@@ -1,13 +1,14 @@
 """`make bench`: one table of what the gateway costs, every row measured in the same run.
 
 A real tool (tests/bench/upstream.py) and real gateways (`python -m gateway serve`, each with
-its own SQLite file: strict, relaxed, and strict on a store already holding a week of receipts)
-run as subprocesses on 127.0.0.1; this process only drives load with a fixed number of
-concurrent aiohttp workers. The machines are shared and noisy, so every round runs every
-scenario back to back (in a rotating order), each row reports medians over the rounds, and
-"× direct" is the median of the per-round ratios to the direct call, which cancels most of the
-drift. The memory row runs last, on a fresh gateway. The table is printed and written to
-var/bench.md.
+its own SQLite file: strict, relaxed, and strict on a store already holding a week of receipts;
+and, when PostgreSQL answers at 127.0.0.1:5432, one replica, two replicas and `--workers 2`
+on a fresh PostgreSQL database each) run as subprocesses on 127.0.0.1; this process only
+drives load with a fixed number of concurrent aiohttp workers. The machines are shared and
+noisy, so every round runs every scenario back to back (in a rotating order), each row
+reports medians over the rounds, and "× direct" is the median of the per-round ratios to the
+direct call, which cancels most of the drift. The memory row runs last, on a fresh gateway.
+The table is printed and written to var/bench.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +31,9 @@ import aiohttp
 
 from tests.bench import fsyncs, prefill
 from tests.harness import REPO_ROOT, GatewayProcess, make_policy, write_policy
+from tests.pg import drop_database, run_sync, server_sql, url_of
 
-ROUNDS = 5
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 WORKERS = 64
 CALLS = 1280  # per scenario and round: 20 calls for each of the 64 workers
 SERIAL_CALLS = 512  # one resource, one call at a time: slower, so fewer
@@ -69,6 +71,7 @@ class Scenario:
     calls: int = CALLS
     workers: int = WORKERS
     paused: bool = False  # SIGSTOP between samples: its idle work would slow the other rows
+    fsyncs_here: bool = True  # False: the store's fsyncs are the database server's
     samples: list[Sample] = field(default_factory=list)
 
 
@@ -150,7 +153,9 @@ async def upstream_process():
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(root: Path, name: str, policy: Path, durability: str):
+async def gateway_process(
+    root: Path, name: str, policy: Path, durability: str, **env: str
+) -> AsyncIterator[GatewayProcess]:
     workdir = root / name
     workdir.mkdir(exist_ok=True)
     gateway = GatewayProcess(
@@ -161,6 +166,7 @@ async def gateway_process(root: Path, name: str, policy: Path, durability: str):
             "GATEWAY_DATABASE_URL": f"sqlite:///{workdir / 'bench.db'}",
             "GATEWAY_DURABILITY": durability,
             "GATEWAY_LOG_LEVEL": "WARNING",
+            **env,
         },
     )
     await gateway.start()
@@ -170,6 +176,29 @@ async def gateway_process(root: Path, name: str, policy: Path, durability: str):
         if gateway.proc.poll() is None:  # a paused gateway would not hear SIGTERM
             os.kill(gateway.proc.pid, signal.SIGCONT)
         await gateway.terminate()
+
+
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str | None]:
+    """A fresh PostgreSQL database's URL, dropped afterwards; None when none answers."""
+    name = f"fg_bench_{os.getpid()}_{next(_databases)}"
+    try:
+        run_sync(server_sql, f"CREATE DATABASE {name}")
+    except (OSError, TimeoutError):
+        yield None
+        return
+    try:
+        yield url_of(name)
+    finally:
+        drop_database(name)
+
+
+_databases = itertools.count()
+
+
+def alternating(*requests: Callable[[int], Request]) -> Callable[[int], Request]:
+    """Spread calls over replicas, as a load balancer with no affinity would."""
+    return lambda n: requests[n % len(requests)](n)
 
 
 async def measure(session: aiohttp.ClientSession, scenario: Scenario, perf: bool) -> Sample:
@@ -236,7 +265,9 @@ def row(scenario: Scenario, baseline: Scenario) -> list[str]:
     cpu = [s.cpu_s for s in samples if s.cpu_s is not None]
     synced = [s.fsyncs for s in samples if s.fsyncs is not None]
     per_fsync = ""
-    if synced and scenario.gateway is not None:
+    if not scenario.fsyncs_here:
+        per_fsync = "in PostgreSQL"
+    elif synced and scenario.gateway is not None:
         per_fsync = f"{calls / sum(synced):.1f}" if sum(synced) else "no fsync"
     errors = sum(s.errors for s in samples)
     return [
@@ -269,6 +300,36 @@ def table(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
+
+
+def postgres_scenarios(
+    one: GatewayProcess, pair: list[GatewayProcess], workers: GatewayProcess
+) -> list[Scenario]:
+    """The same fenced POST as the SQLite strict row, on PostgreSQL (strict: the server's
+    synchronous_commit). Two replicas: calls alternate between them; `--workers 2`: one port.
+    Gateway CPU is one process's, so it is left out where there are two."""
+
+    def spread(n: int) -> str:
+        return f"par/r{n % 64}"
+
+    return [
+        Scenario(
+            "fenced POST, PostgreSQL, 1 replica",
+            fenced_post(one.url, spread),
+            one,
+            fsyncs_here=False,
+        ),
+        Scenario(
+            "fenced POST, PostgreSQL, 2 replicas",
+            alternating(*(fenced_post(g.url, spread) for g in pair)),
+        ),
+        Scenario("fenced POST, PostgreSQL, --workers 2", fenced_post(workers.url, spread)),
+        Scenario(
+            "fenced POST, PostgreSQL, 2 replicas, serial, 1 resource",
+            alternating(*(fenced_post(g.url, lambda n: "ser/one") for g in pair)),
+            calls=SERIAL_CALLS,
+        ),
+    ]
 
 
 def scenarios(
@@ -343,6 +404,30 @@ async def run() -> str:
             )
 
             rows = scenarios(upstream, *gateways)
+            urls = [stack.enter_context(postgres_database()) for _ in range(3)]
+            if all(urls):
+                one = await stack.enter_async_context(
+                    gateway_process(root, "pg1", policy, "strict", GATEWAY_DATABASE_URL=urls[0])
+                )
+                pair = [
+                    await stack.enter_async_context(
+                        gateway_process(
+                            root, f"pg2{i}", policy, "strict", GATEWAY_DATABASE_URL=urls[1]
+                        )
+                    )
+                    for i in range(2)
+                ]
+                workers = await stack.enter_async_context(
+                    gateway_process(
+                        root,
+                        "pgw",
+                        policy,
+                        "strict",
+                        GATEWAY_DATABASE_URL=urls[2],
+                        GATEWAY_WORKERS="2",
+                    )
+                )
+                rows += postgres_scenarios(one, pair, workers)
             for scenario in rows:
                 await drive(session, scenario.request, WARMUP_CALLS, scenario.workers)
                 if scenario.paused:
