@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from importlib import resources
 from typing import Any, TypeVar
@@ -212,8 +213,18 @@ def _prefixed(row: Any, prefix: str) -> dict[str, Any]:
     return {key[len(prefix) :]: value for key, value in row.items() if key.startswith(prefix)}
 
 
+# Failures below SQL: the connection itself may be broken (the server went away, a protocol
+# state left behind by a cut connection), so it is closed rather than given back to the pool.
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+
+
 def _database_errors() -> tuple[type[BaseException], ...]:
-    return (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+    return (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 
 
 class PostgresStore:
@@ -330,6 +341,17 @@ class PostgresStore:
         except Exception as exc:
             raise StoreUnavailable(f"the store could not commit: {exc}") from exc
 
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        """A pooled connection; one that failed below SQL is closed, and the pool opens a
+        fresh one when next asked (so a replica reconnects by itself after an outage)."""
+        async with self._pool_or_fail().acquire() as conn:
+            try:
+                yield conn
+            except _CONNECTION_ERRORS:
+                conn.terminate()
+                raise
+
     async def _tx(self, op: Callable[[Any], Awaitable[T]], *, relaxed: bool = False) -> T:
         """Run `op(conn)` as one transaction. `relaxed`: an admission or outcome, which
         `relaxed` durability does not wait for the disk for; everything else always does.
@@ -339,7 +361,7 @@ class PostgresStore:
         )
         for attempt in range(1, _RETRIES + 1):
             try:
-                async with self._pool_or_fail().acquire() as conn:
+                async with self._connection() as conn:
                     await conn.execute(begin)
                     try:
                         result = await op(conn)
@@ -364,7 +386,7 @@ class PostgresStore:
         """One statement or a few independent ones, each its own (autocommit) transaction:
         for reads, and for writes whose checks are in the statement itself."""
         try:
-            async with self._pool_or_fail().acquire() as conn:
+            async with self._connection() as conn:
                 if writes:
                     self._commit_hook()  # before the implicit COMMIT: nothing is written
                 return await op(conn)
@@ -966,25 +988,23 @@ class PostgresStore:
     async def heartbeat(self) -> None:
         """Renew this instance's heartbeat lease; when the database refuses (the instance was
         silent too long, and peers may be recovering its receipts), go on under a new id:
-        nothing admitted under the old one is ever forwarded (`may_forward`). Bounded by one
-        interval, so a database that hangs makes the instance lapse, never wait."""
+        nothing admitted under the old one is ever forwarded (`may_forward`). A heartbeat
+        that hangs holds nothing up: the instance lapses by its own clock meanwhile, and the
+        statement gives up once the lease it would renew is over anyway."""
+        silent_after_s = liveness.SILENT_INTERVALS * self._interval
         async with self._heartbeat_turn:
             sent = time.monotonic()
-            try:
-                async with asyncio.timeout(self._interval):
-                    renewed = await self._run(
-                        lambda conn: conn.fetchval(
-                            _HEARTBEAT, self.instance, liveness.SILENT_INTERVALS * self._interval
-                        ),
-                        writes=True,
-                    )
-                    if renewed is None:
-                        self._generation += 1
-                        await self._run(self._take_instance_id, writes=True)
-                        return
-            except TimeoutError:
-                raise StoreUnavailable("the heartbeat got no answer in time") from None
-            self._heartbeat_sent = sent
+            renewed = await self._run(
+                lambda conn: conn.fetchval(
+                    _HEARTBEAT, self.instance, silent_after_s, timeout=max(silent_after_s, 1.0)
+                ),
+                writes=True,
+            )
+            if renewed is None:
+                self._generation += 1
+                await self._run(self._take_instance_id, writes=True)
+            else:
+                self._heartbeat_sent = sent
 
     async def expire_pending(
         self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]
