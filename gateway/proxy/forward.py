@@ -139,7 +139,13 @@ async def forward(
         forwarded_at = time.time()
         try:
             answer = await app[appkeys.UPSTREAMS].send(
-                upstream, call.method, flow.rest, sent, body, deadline
+                upstream,
+                call.method,
+                flow.rest,
+                sent,
+                body,
+                deadline,
+                may_send=lambda: store.may_forward(admitted.instance),
             )
         except UpstreamFailure as failure:
             metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -32,17 +33,27 @@ class UpstreamFailure(Exception):
 
     outcome: Literal["not_sent", "outcome_unknown"]
     error: errors.GatewayError
+    reason: str | None = None  # the receipt's `error`, when not the client's error code
 
     def as_outcome(self, forwarded_at: float) -> Outcome:
         """For the receipt: `not_sent` was never forwarded; anything else may have been."""
         return Outcome(
             self.outcome,
-            error=self.error.code,
+            error=self.reason or self.error.code,
             forwarded_at=None if self.outcome == "not_sent" else forwarded_at,
         )
 
 
+class _Withdrawn(Exception):
+    """The last check before the bytes leave said no (`Upstreams.send`'s `may_send`)."""
+
+
 async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
+    """A connection is in hand and nothing is written yet: the last moment to check that
+    this process may still send (docs/contract.md §14, "A replica fences itself"). Raising
+    here hands the connection back unused."""
+    if not ctx.trace_request_ctx.may_send():
+        raise _Withdrawn
     ctx.trace_request_ctx.connected = True
 
 
@@ -88,13 +99,16 @@ class Upstreams:
         headers: CIMultiDict[str],
         body: bytes | None,
         deadline: float,
+        may_send: Callable[[], bool] = lambda: True,
     ) -> aiohttp.ClientResponse:
         """Send once and return the response with its head read; raise `UpstreamFailure`.
 
         `rest` is the path after the mount plus the query, forwarded with its encoding as it
         came; `deadline` (loop time) bounds the whole call, `timeout_s` of the upstream.
+        `may_send` is asked once a connection is in hand, before anything is written (a wait
+        for a free connection or a new one can be long): False, and nothing is sent.
         """
-        state = SimpleNamespace(connected=False)
+        state = SimpleNamespace(connected=False, may_send=may_send)
         url = URL(upstream.url + rest, encoded=True)
         try:
             async with asyncio.timeout_at(deadline):
@@ -106,6 +120,16 @@ class Upstreams:
                     allow_redirects=False,
                     trace_request_ctx=state,
                 )
+        except _Withdrawn:
+            raise UpstreamFailure(
+                "not_sent",
+                errors.StoreUnavailable(
+                    "this gateway process lost its heartbeat with the store, so peers may "
+                    "already be recovering its calls; the call was not sent",
+                    retry_after=1,
+                ),
+                reason="instance_lapsed",
+            ) from None
         except Exception as exc:  # whatever it is, the receipt needs to know if it was sent
             raise _classify(exc, state.connected, upstream) from exc
 

@@ -1,0 +1,48 @@
+"""The last check before a call's bytes leave (docs/contract.md §14, "A replica fences
+itself"): asked once a connection to the tool is in hand, new or reused, and when it says no,
+nothing reaches the tool and the call is `not_sent`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from multidict import CIMultiDict
+
+from gateway.config.policy import Upstream
+from gateway.proxy.upstream import UpstreamFailure, Upstreams
+from tests.harness import RecordingUpstream
+
+
+@pytest.mark.parametrize("connection", ["new", "reused"])
+async def test_a_withdrawn_call_never_reaches_the_tool(
+    upstream: RecordingUpstream, connection: str
+) -> None:
+    tool = Upstream(name="tool", url=upstream.url, mount="/tool")
+    upstreams = Upstreams({"tool": tool})
+    await upstreams.open()
+    try:
+        deadline = asyncio.get_running_loop().time() + 5
+        if connection == "reused":  # one call first leaves a keep-alive connection behind
+            async with await upstreams.send(tool, "GET", "/warm", CIMultiDict(), None, deadline):
+                pass
+        asked = []
+
+        def may_send() -> bool:
+            asked.append(True)
+            return False
+
+        with pytest.raises(UpstreamFailure) as failure:
+            await upstreams.send(
+                tool, "POST", "/act", CIMultiDict(), b"{}", deadline, may_send=may_send
+            )
+        assert failure.value.as_outcome(0.0).status == "not_sent"
+        assert failure.value.as_outcome(0.0).error == "instance_lapsed"
+        assert failure.value.error.code == "store_unavailable"
+        assert asked == [True]
+        await asyncio.sleep(0.1)
+        assert [r.path for r in upstream.requests] == (
+            ["/api/warm"] if connection == "reused" else []
+        )
+    finally:
+        await upstreams.close()
