@@ -323,7 +323,7 @@ class TestRenew:
             {"owner": "worker-a", "fence": -3},
             {"owner": "worker-a", "fence": "1"},
             {"owner": "worker-a", "fence": True},
-            {"owner": "worker-a", "fence": 1.0},
+            {"owner": "worker-a", "fence": 1.5},  # 1.0 is the integer 1 (JSON Schema)
             {"owner": "worker-a", "fence": 2**63},
             {"owner": "worker-a", "fence": 1, "ttl_s": 6},
             {"owner": "worker-a", "fence": 1, "extra": 1},

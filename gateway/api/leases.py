@@ -20,6 +20,7 @@ from gateway.config.policy import ResourceRule
 from gateway.core import errors, grammar
 from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
 from gateway.core.times import rfc3339
+from gateway.observe import logs
 from gateway.proxy import appkeys, headers
 from gateway.proxy.flow import Flow
 
@@ -99,28 +100,36 @@ async def release(request: web.Request) -> web.Response:
     force = query.get("force", "false")
     if force not in ("true", "false"):
         raise errors.InvalidRequest(f"force {force!r}: true or false")
-    store, metrics = request.app[appkeys.STORE], request.app[appkeys.METRICS]
     if force == "true":
         if "owner" in query or "fence" in query:
             raise errors.InvalidRequest("a revoke (force=true) takes no owner or fence")
-        released = await store.release(resource, None, None)
-    else:
-        if "owner" not in query or "fence" not in query:
-            raise errors.InvalidRequest(
-                "a release needs ?owner=…&fence=… (or force=true to revoke)"
-            )
-        owner = _owner(query["owner"])
-        fence = grammar.fence_value(query["fence"])
-        if fence is None:
-            raise errors.InvalidRequest(
-                f"fence {query['fence']!r}: a whole number from 1 to {grammar.MAX_FENCE}"
-            )
-        released = await store.release(resource, owner, fence, _client(request))
-        if not released.ok:
-            raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
+        await revoke(request.app, resource, _client(request))
+        return web.Response(status=204)
+    if "owner" not in query or "fence" not in query:
+        raise errors.InvalidRequest("a release needs ?owner=…&fence=… (or force=true to revoke)")
+    owner = _owner(query["owner"])
+    fence = grammar.fence_value(query["fence"])
+    if fence is None:
+        raise errors.InvalidRequest(
+            f"fence {query['fence']!r}: a whole number from 1 to {grammar.MAX_FENCE}"
+        )
+    released = await request.app[appkeys.STORE].release(resource, owner, fence, _client(request))
+    if not released.ok:
+        raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
     if released.held_seconds is not None:
-        metrics.held.observe(max(0.0, released.held_seconds))
+        request.app[appkeys.METRICS].held.observe(max(0.0, released.held_seconds))
     return web.Response(status=204)
+
+
+async def revoke(app: web.Application, resource: str, client: str | None) -> None:
+    """An admin ends whoever's lease on `resource` (docs/contract.md §6): the API's
+    `DELETE ?force=true` and the console's revoke button both come here. The resource must be
+    one a rule issues leases for (`lease_rule`)."""
+    lease_rule(app, resource)
+    released = await app[appkeys.STORE].release(resource, None, None)
+    if released.held_seconds is not None:
+        app[appkeys.METRICS].held.observe(max(0.0, released.held_seconds))
+    logs.event("lease_revoked", resource=resource, client=client, action=released.action)
 
 
 @routes.get("/_gateway/v1/leases/{resource:.+}")
@@ -153,17 +162,22 @@ def _resource(request: web.Request) -> tuple[str, ResourceRule]:
     resource = request.match_info["resource"]
     # problems name the resource (docs/contract.md §5); the log line shows it
     request[appkeys.FLOW] = Flow(request[appkeys.REQUEST_ID], resource=resource)
+    return resource, lease_rule(request.app, resource)
+
+
+def lease_rule(app: web.Application, resource: str) -> ResourceRule:
+    """The rule that issues `resource`'s leases; `400`/`403` when it is none."""
     if not grammar.valid_resource(resource):
         raise errors.InvalidResource(
             f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
             "segments separated by single '/', no '.' or '..' segment"
         )
-    rule = request.app[appkeys.POLICIES].lease_rule(resource)
+    rule = app[appkeys.POLICIES].lease_rule(resource)
     if rule is None:
         raise errors.ResourceNotAllowed(
             f"no resource rule with a gateway-issued lease covers {resource!r}"
         )
-    return resource, rule
+    return rule
 
 
 def _owner(value: str) -> str:

@@ -8,13 +8,33 @@ the contract reconciler authors read. A test checks that every route the app ser
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
+from gateway.api import params, receipts
+from gateway.config.policy import PolicySet
+from gateway.core import errors, grammar
 from gateway.core.errors import BY_CODE
+from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
+from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS
+from gateway.proxy import appkeys
 
 routes = web.RouteTableDef()
+
+# What each parameter's schema admits is exactly what the gateway accepts: a contract tester
+# (schemathesis) sends whatever a schema admits and expects it served, and sends what it does
+# not admit and expects `400`. So the patterns below are the grammar's own rules
+# (`gateway.core.grammar`, `gateway.api.params`, `gateway.api.receipts`), written as regular
+# expressions; tests/unit/test_openapi.py holds each against the check it states.
+_NAME_CHAR = r"[A-Za-z0-9._\-:@]"
+_NOT_DOT = r"[A-Za-z0-9_\-:@]"
+# one segment of a resource key: its characters, but not "." or ".."
+_SEGMENT = rf"(?:{_NOT_DOT}{_NAME_CHAR}*|\.{_NOT_DOT}{_NAME_CHAR}*|\.\.{_NAME_CHAR}+)"
+RESOURCE_PATTERN = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
+OWNER_PATTERN = r"^[A-Za-z0-9._\-:@/]{1,128}$"
+CLIENT_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
 _TIME = {"type": ["string", "null"], "format": "date-time"}
 _RESOURCE = {
@@ -22,9 +42,16 @@ _RESOURCE = {
     "in": "path",
     "required": True,
     "description": "The resource key; it keeps its slashes.",
-    "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._\-:@/]{1,256}$"},
+    "schema": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 256,
+        "pattern": RESOURCE_PATTERN,
+    },
 }
 _RECEIPT_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_OWNER = {"type": "string", "pattern": OWNER_PATTERN}
+_FENCE = {"type": "integer", "minimum": 1, "maximum": grammar.MAX_FENCE}
 
 
 def _query(name: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
@@ -38,9 +65,46 @@ def _query(name: str, schema: dict[str, Any], description: str = "") -> dict[str
 
 
 _PAGING = [
-    _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}),
-    _query("cursor", {"type": "string"}, "next_cursor of the previous page"),
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": params.MAX_LIMIT, "default": 100}),
+    _query(
+        "cursor",
+        {"type": "string", "pattern": params.CURSOR_PATTERN},
+        "next_cursor of the previous page (opaque: pass it on as it came)",
+    ),
 ]
+
+# DELETE /leases/{resource} is a release (owner and fence) or a revoke (force=true, nothing
+# else): one query object with two shapes, since OpenAPI has no dependencies between
+# separate parameters.
+_RELEASE_OR_REVOKE = {
+    "name": "release",
+    "in": "query",
+    "required": True,
+    "style": "form",
+    "explode": True,
+    "description": "owner and fence to release the lease you hold; force=true alone to revoke "
+    "anyone's (admin)",
+    "schema": {
+        "oneOf": [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["owner", "fence"],
+                "properties": {
+                    "owner": _OWNER,
+                    "fence": _FENCE,
+                    "force": {"type": "string", "enum": ["false"]},
+                },
+            },
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["force"],
+                "properties": {"force": {"type": "string", "enum": ["true"]}},
+            },
+        ]
+    },
+}
 
 _SCHEMAS: dict[str, Any] = {
     "Problem": {
@@ -97,15 +161,7 @@ _SCHEMAS: dict[str, Any] = {
             "attempt": {"type": ["integer", "null"]},
             "status": {
                 "type": "string",
-                "enum": [
-                    "pending",
-                    "succeeded",
-                    "failed",
-                    "not_sent",
-                    "outcome_unknown",
-                    "rejected",
-                    "reconciled",
-                ],
+                "enum": list(RECEIPT_STATUSES),
             },
             "http_status": {"type": ["integer", "null"]},
             "error": {"type": ["string", "null"]},
@@ -121,10 +177,7 @@ _SCHEMAS: dict[str, Any] = {
                     {
                         "type": "object",
                         "properties": {
-                            "outcome": {
-                                "type": "string",
-                                "enum": ["applied", "not_applied", "compensated"],
-                            },
+                            "outcome": {"type": "string", "enum": list(RESOLUTIONS)},
                             "source": {"type": "string"},
                             "note": {"type": ["string", "null"]},
                             "at": _TIME,
@@ -169,6 +222,7 @@ def _op(
     responses: dict[str, Any],
     parameters: list[dict[str, Any]] | None = None,
     body: dict[str, Any] | None = None,
+    body_required: bool = True,
 ) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "summary": summary,
@@ -177,7 +231,7 @@ def _op(
     }
     if body is not None:
         operation["requestBody"] = {
-            "required": True,
+            "required": body_required,
             "content": {"application/json": {"schema": body}},
         }
     return operation
@@ -192,131 +246,195 @@ def _object(required: list[str], **properties: Any) -> dict[str, Any]:
     }
 
 
-def document() -> dict[str, Any]:
+def _ttl(policies: PolicySet | None) -> dict[str, Any]:
+    """`ttl_s`: above 0 and at most the rule's `lease.max_ttl_s`. One document serves every
+    resource, so it states the smallest maximum among this gateway's rules: a value it admits
+    is accepted for any resource."""
+    schema: dict[str, Any] = {"type": "number", "exclusiveMinimum": 0}
+    maxima = [
+        rule.lease.max_ttl_s
+        for rule in (policies.rules if policies is not None else [])
+        if rule.lease.issuer == "gateway"
+    ]
+    if maxima:
+        schema["maximum"] = min(maxima)
+    return schema
+
+
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "Makes a retried acquire answer the same lease (docs/contract.md §6)",
+    # the gateway's own keys start with gw-; a client's may not
+    "schema": {"type": "string", "pattern": CLIENT_KEY_PATTERN, "not": {"pattern": "^gw-"}},
+}
+
+
+def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
     lease = _answer("The lease", _ref("Lease"))
     receipt = _answer("The receipt", _ref("Receipt"))
+    receipts_page = _answer("A page of receipts", _page_of("Receipt"))
     return {
+        "/_gateway/v1/leases": {
+            "get": _op(
+                "List leases",
+                {"200": _answer("A page of leases", _page_of("Lease"))},
+                [
+                    _query("prefix", {"type": "string"}),
+                    _query("state", {"type": "string", "enum": list(LEASE_STATES)}),
+                    *_PAGING,
+                ],
+            )
+        },
+        "/_gateway/v1/leases/{resource}": {
+            "parameters": [_RESOURCE],
+            "post": _op(
+                "Acquire (compare-and-swap); a new fence",
+                {
+                    "201": lease,
+                    "200": _answer("A retried acquire (same Idempotency-Key)", _ref("Lease")),
+                },
+                [_IDEMPOTENCY_KEY],
+                body=_object(
+                    ["owner"],
+                    owner={**_OWNER, "not": {"pattern": f"^{SWEEPER_OWNER_PREFIX}"}},
+                    ttl_s=ttl_s,
+                ),
+            ),
+            "put": _op(
+                "Renew",
+                {"200": lease},
+                body=_object(["owner", "fence"], owner=_OWNER, fence=_FENCE, ttl_s=ttl_s),
+            ),
+            "delete": _op(
+                "Release (owner and fence) or revoke (force=true)",
+                {"204": _answer("Released")},
+                [_RELEASE_OR_REVOKE],
+            ),
+            "get": _op("Read one lease", {"200": lease}),
+        },
+        "/_gateway/v1/receipts": {
+            "get": _op(
+                "List receipts, oldest first",
+                {"200": receipts_page},
+                [
+                    *(_query(n, {"type": "string"}) for n in ("resource", "owner")),
+                    _query("status", {"type": "string", "enum": list(RECEIPT_STATUSES)}),
+                    _query("idempotency_key", {"type": "string"}),
+                    *(
+                        _query(n, {"type": "integer", "minimum": 0, "maximum": params.MAX_INTEGER})
+                        for n in ("fence_min", "fence_max")
+                    ),
+                    _query("since", {"type": "string", "format": "date-time"}, "inclusive"),
+                    _query("until", {"type": "string", "format": "date-time"}, "exclusive"),
+                    *_PAGING,
+                ],
+            )
+        },
+        "/_gateway/v1/receipts/{id}": {
+            "parameters": [_RECEIPT_ID],
+            "get": _op("Read one receipt", {"200": receipt}),
+        },
+        "/_gateway/v1/receipts/{id}/resolve": {
+            "parameters": [_RECEIPT_ID],
+            "post": _op(
+                "Reconcile an outcome_unknown receipt past its grace",
+                {"200": receipt},
+                body=_object(
+                    ["outcome", "source"],
+                    outcome={"type": "string", "enum": list(RESOLUTIONS)},
+                    source={
+                        "type": "string",
+                        "maxLength": receipts.MAX_SOURCE,
+                        "pattern": receipts.SOURCE_PATTERN,
+                        "description": "who decided: operator:NAME, service:NAME",
+                    },
+                    note={
+                        "type": ["string", "null"],
+                        "maxLength": receipts.MAX_NOTE,
+                        "pattern": receipts.NOTE_PATTERN,
+                    },
+                ),
+            ),
+        },
+        "/_gateway/v1/receipts/{id}/probe": {
+            "parameters": [_RECEIPT_ID],
+            "post": _op(
+                "Ask the upstream through the rule's probe",
+                {"200": receipt},
+                body=_object([]),
+                body_required=False,
+            ),
+        },
+        "/_gateway/v1/reconciliation": {
+            "get": _op(
+                "The outcome_unknown receipts, oldest first", {"200": receipts_page}, _PAGING
+            )
+        },
+        "/_gateway/v1/openapi.json": {
+            "get": _op("This document", {"200": _answer("OpenAPI 3.1", {"type": "object"})})
+        },
+    }
+
+
+def document(policies: PolicySet | None = None, secured: bool = True) -> dict[str, Any]:
+    """The document of this gateway: `secured` when it has a clients file (a bearer key on
+    every call; docs/contract.md §10), without security when it runs open; `ttl_s` bounded by
+    its policies' rules."""
+    described: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
             "title": "fence-gateway",
             "version": "1",
-            "description": "Leases, receipts and reconciliation of a fencing proxy.",
+            "description": "Leases, receipts and reconciliation of a fencing proxy."
+            + ("" if secured else " This gateway runs without a clients file: open to all."),
         },
-        "paths": {
-            "/_gateway/v1/leases": {
-                "get": _op(
-                    "List leases",
-                    {"200": _answer("A page of leases", _page_of("Lease"))},
-                    [
-                        _query("prefix", {"type": "string"}),
-                        _query(
-                            "state", {"type": "string", "enum": ["held", "expired", "released"]}
-                        ),
-                        *_PAGING,
-                    ],
-                )
-            },
-            "/_gateway/v1/leases/{resource}": {
-                "parameters": [_RESOURCE],
-                "post": _op(
-                    "Acquire (compare-and-swap); a new fence",
-                    {
-                        "201": lease,
-                        "200": _answer("A retried acquire (same Idempotency-Key)", _ref("Lease")),
-                    },
-                    body=_object(
-                        ["owner"],
-                        owner={"type": "string"},
-                        ttl_s={"type": "number", "exclusiveMinimum": 0},
-                    ),
-                ),
-                "put": _op(
-                    "Renew",
-                    {"200": lease},
-                    body=_object(
-                        ["owner", "fence"],
-                        owner={"type": "string"},
-                        fence={"type": "integer", "minimum": 1},
-                        ttl_s={"type": "number", "exclusiveMinimum": 0},
-                    ),
-                ),
-                "delete": _op(
-                    "Release (owner and fence) or revoke (force=true)",
-                    {"204": _answer("Released")},
-                    [
-                        _query("owner", {"type": "string"}),
-                        _query("fence", {"type": "integer", "minimum": 1}),
-                        _query("force", {"type": "boolean"}),
-                    ],
-                ),
-                "get": _op("Read one lease", {"200": lease}),
-            },
-            "/_gateway/v1/receipts": {
-                "get": _op(
-                    "List receipts, oldest first",
-                    {"200": _answer("A page of receipts", _page_of("Receipt"))},
-                    [
-                        *(
-                            _query(n, {"type": "string"})
-                            for n in ("resource", "status", "owner", "idempotency_key")
-                        ),
-                        _query("fence_min", {"type": "integer"}),
-                        _query("fence_max", {"type": "integer"}),
-                        _query("since", {"type": "string", "format": "date-time"}, "inclusive"),
-                        _query("until", {"type": "string", "format": "date-time"}, "exclusive"),
-                        *_PAGING,
-                    ],
-                )
-            },
-            "/_gateway/v1/receipts/{id}": {
-                "parameters": [_RECEIPT_ID],
-                "get": _op("Read one receipt", {"200": receipt}),
-            },
-            "/_gateway/v1/receipts/{id}/resolve": {
-                "parameters": [_RECEIPT_ID],
-                "post": _op(
-                    "Reconcile an outcome_unknown receipt past its grace",
-                    {"200": receipt},
-                    body=_object(
-                        ["outcome", "source"],
-                        outcome={
-                            "type": "string",
-                            "enum": ["applied", "not_applied", "compensated"],
-                        },
-                        source={"type": "string", "minLength": 1},
-                        note={"type": ["string", "null"]},
-                    ),
-                ),
-            },
-            "/_gateway/v1/receipts/{id}/probe": {
-                "parameters": [_RECEIPT_ID],
-                "post": _op("Ask the upstream through the rule's probe", {"200": receipt}),
-            },
-            "/_gateway/v1/reconciliation": {
-                "get": _op(
-                    "The outcome_unknown receipts, oldest first",
-                    {"200": _answer("A page of receipts", _page_of("Receipt"))},
-                    _PAGING,
-                )
-            },
-            "/_gateway/v1/openapi.json": {
-                "get": _op("This document", {"200": _answer("OpenAPI 3.1")})
-            },
-        },
-        "components": {
-            "schemas": _SCHEMAS,
-            "securitySchemes": {
-                "bearer": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "A client's key, when the gateway has a clients file",
-                }
-            },
-        },
-        "security": [{"bearer": []}],
+        "paths": _paths(_ttl(policies)),
+        "components": {"schemas": _SCHEMAS},
     }
+    if secured:
+        described["components"]["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "A client's key, from the gateway's clients file",
+            }
+        }
+        described["security"] = [{"bearer": []}]
+    return described
 
 
 @routes.get("/_gateway/v1/openapi.json")
-async def openapi(_request: web.Request) -> web.Response:
-    return web.json_response(document())
+async def openapi(request: web.Request) -> web.Response:
+    app = request.app
+    return web.json_response(document(app[appkeys.POLICIES], app[appkeys.CLIENTS] is not None))
+
+
+def allowed_methods(path: str) -> list[str] | None:
+    """The methods the document gives a concrete /_gateway/v1 path, HEAD with GET; None when
+    it describes no such path."""
+    for template, item in _paths({}).items():
+        # {resource} keeps its slashes, other parameters are one segment (as routed)
+        pattern = re.sub(r"\\\{(\w+)\\\}", _parameter_pattern, re.escape(template))
+        if re.fullmatch(pattern, path):
+            methods = sorted(m.upper() for m in item if m != "parameters")
+            return sorted({*methods, "HEAD"}) if "GET" in methods else methods
+    return None
+
+
+def _parameter_pattern(match: re.Match[str]) -> str:
+    return ".+" if match.group(1) == "resource" else "[^/]+"
+
+
+# Registered after every /_gateway/v1 route (its module's routes are added last): a method the
+# document does not give a path is `405` with `Allow`, as HTTP says, not the catch-all's `404`.
+@routes.route("*", "/_gateway/v1/{tail:.*}")
+async def method_not_allowed(request: web.Request) -> web.Response:
+    allowed = allowed_methods(request.path)
+    if allowed is None:
+        raise errors.NotFound(f"no gateway endpoint {request.method} {request.path}")
+    raise errors.MethodNotAllowed(
+        f"{request.path} takes {', '.join(allowed)}, not {request.method}",
+        headers={"Allow": ", ".join(allowed)},
+    )

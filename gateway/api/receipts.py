@@ -6,13 +6,15 @@ only checks the request and shapes the answer.
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
 from gateway.api import params
 from gateway.core import errors
-from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS
+from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS, Resolution
 from gateway.proxy import appkeys
-from gateway.store.base import ReceiptQuery
+from gateway.store.base import Receipt, ReceiptQuery
 from gateway.upkeep import reconcile
 
 _RESOLVE_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -22,6 +24,28 @@ _RESOLVE_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 MAX_SOURCE = 200
 MAX_NOTE = 4096
+# The checks on `source` and `note` are regular expressions so that the OpenAPI document can
+# state them exactly (`gateway.api.openapi`): what it calls valid, the gateway accepts. Control
+# characters would corrupt a log line or a terminal, and NUL cannot be PostgreSQL text.
+_ANY_SOURCE_CHAR = r"[^\x00-\x1f\x7f-\x9f]"
+_VISIBLE_SOURCE_CHAR = r"[^\x00-\x20\x7f-\x9f]"
+SOURCE_PATTERN = f"^{_ANY_SOURCE_CHAR}*{_VISIBLE_SOURCE_CHAR}{_ANY_SOURCE_CHAR}*$"
+NOTE_PATTERN = r"^[^\x00]*$"
+_SOURCE = re.compile(SOURCE_PATTERN)
+_NOTE = re.compile(NOTE_PATTERN)
+# JSON's \u escapes can also carry half of a surrogate pair, which is no character at all and
+# cannot be stored as UTF-8; no pattern needs to say so, no JSON Schema string holds one.
+_UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text_ok(value: str, pattern: re.Pattern[str], most: int) -> bool:
+    return (
+        len(value) <= most
+        and pattern.fullmatch(value) is not None
+        and _UNPAIRED_SURROGATE.search(value) is None
+    )
+
+
 _FILTERS = (
     "resource",
     "status",
@@ -96,18 +120,36 @@ async def resolve(request: web.Request) -> web.Response:
     """A person or a reconciler service says what became of an `outcome_unknown` call."""
     params.only(request, ())
     body = await params.json_body(request, _RESOLVE_FIELDS, ("outcome", "source"))
-    outcome, source, note = body["outcome"], body["source"], body.get("note")
+    receipt = await resolve_receipt(
+        request.app, request.match_info["id"], body["outcome"], body["source"], body.get("note")
+    )
+    return web.json_response(receipt.to_json())
+
+
+async def resolve_receipt(
+    app: web.Application, receipt_id: str, outcome: str, source: str, note: str | None
+) -> Receipt:
+    """Check a resolution and apply it: the API's resolve and the console's form both come
+    here, so a decision is checked, logged and written on the receipt alike."""
+    return await reconcile.resolve(app, receipt_id, *checked_resolution(outcome, source, note))
+
+
+def checked_resolution(
+    outcome: str, source: str, note: str | None
+) -> tuple[Resolution, str, str | None]:
+    """The resolution as given, or `400 invalid_request` saying what is wrong with it."""
     if outcome not in RESOLUTIONS:
         raise errors.InvalidRequest(f"outcome {outcome!r}: one of {list(RESOLUTIONS)}")
-    if not source.strip() or len(source) > MAX_SOURCE or not source.isprintable():
+    if not _text_ok(source, _SOURCE, MAX_SOURCE):
         raise errors.InvalidRequest(
-            f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters, "
-            "e.g. operator:alice or service:billing-reconciler"
+            f"source {source!r}: who decided, 1 to {MAX_SOURCE} printable characters (no control "
+            "characters, not only spaces), e.g. operator:alice or service:billing-reconciler"
         )
-    if note is not None and len(note) > MAX_NOTE:
-        raise errors.InvalidRequest(f"note: at most {MAX_NOTE} characters")
-    receipt = await reconcile.resolve(request.app, request.match_info["id"], outcome, source, note)
-    return web.json_response(receipt.to_json())
+    if note is not None and not _text_ok(note, _NOTE, MAX_NOTE):
+        raise errors.InvalidRequest(
+            f"note: at most {MAX_NOTE} characters, no NUL or unpaired surrogate"
+        )
+    return outcome, source, note  # `in RESOLUTIONS` narrowed outcome to a Resolution
 
 
 @routes.post("/_gateway/v1/receipts/{id}/probe")

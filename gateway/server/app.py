@@ -11,6 +11,7 @@ from gateway.api import leases, openapi, ops, receipts
 from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
+from gateway.console.mount import mount as mount_console
 from gateway.observe.metrics import Metrics
 from gateway.proxy import appkeys, handler
 from gateway.proxy.failpoints import Failpoints
@@ -38,6 +39,7 @@ def create_app(
     app.router.add_routes(receipts.routes)
     app.router.add_routes(leases.routes)
     app.router.add_routes(openapi.routes)
+    mount_console(app)  # /_gateway/console: before the catch-alls below
     app.router.add_route("*", "/_gateway/{tail:.*}", _not_found)
     app.router.add_route("*", "/{tail:.*}", handler.handle)
     return app

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.config.clients import Client
+from gateway.console.paths import PREFIX as CONSOLE
 from gateway.core import errors
 from gateway.proxy import appkeys
 
@@ -34,7 +35,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     step 1)."""
     clients = request.app[appkeys.CLIENTS]
     path = request.path
-    if clients is None or path in OPEN_PATHS:
+    if clients is None or path in OPEN_PATHS or _is_console(path):
         return await handler(request)
     if path.startswith("/_gateway/"):
         client = clients.identify(
@@ -48,6 +49,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             raise errors.Forbidden(f"client {client.name} may not make proxied calls")
     request[appkeys.CLIENT] = client
     return await handler(request)
+
+
+def _is_console(path: str) -> bool:
+    """The console signs its people in with its own session cookie (gateway.console)."""
+    return path == CONSOLE or path.startswith(f"{CONSOLE}/")
 
 
 def _authorize_api(request: web.Request, client: Client) -> None:

@@ -2,7 +2,7 @@
 
 Top to bottom; a module imports only its own package and packages strictly lower:
 
-    cli > server > api > upkeep > proxy > {config, observe, store} > core
+    cli > server > console > api > upkeep > proxy > {config, observe, store} > core
 
 config, observe and store are siblings and import none of each other. Outside the layers:
 `gateway/__init__.py` imports nothing of the project (importing `gateway.client` runs it),
@@ -37,10 +37,11 @@ LAYERS = {
     "proxy": 2,
     "upkeep": 3,
     "api": 4,
-    "server": 5,
-    "cli": 6,
+    "console": 5,
+    "server": 6,
+    "cli": 7,
 }
-LAYER_ORDER = "cli > server > api > upkeep > proxy > {config, observe, store} > core"
+LAYER_ORDER = "cli > server > console > api > upkeep > proxy > {config, observe, store} > core"
 
 # Modules directly under gateway/ that belong to no layer, and what each may import.
 TOP_LEVEL: dict[str, frozenset[str]] = {
