@@ -7,6 +7,9 @@
             await slow_model_call()            # renewal keeps running in the background
             lease.check()                       # before a side effect that is not an HTTP call
             await lease.post("/browser/sessions/7/type", json={"text": "hi"})
+            async with await lease.websocket("/cdp/devtools/browser") as ws:  # a fenced session
+                await ws.send_str('{"id": 1, "method": "Browser.getVersion"}')
+            # Playwright over CDP: connect_over_cdp(url, headers=lease.cdp_headers())
     # LeaseHeld: the acquire gave up after acquire_timeout_s of polite retries.
     # LeaseLost: renewal failed or the local deadline passed; raised before any byte is sent.
     # GatewayError: any other problem+json the gateway answered (code = docs/contract.md §5 code).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import random
 import time
@@ -166,6 +170,30 @@ def _error_from(status: int, headers: Any, body: bytes) -> GatewayError:
     return cls(status, code, detail, problem, _retry_after(headers))
 
 
+# A refused WebSocket upgrade: aiohttp's ws_connect keeps the status and headers but drops the
+# body, where the gateway's problem document (and its code) is. The client's own session reads
+# it on the way (a trace hook), in the task that upgrades.
+_REFUSAL: contextvars.ContextVar[list[tuple[int, Any, bytes]] | None] = contextvars.ContextVar(
+    "fence_gateway_client_refusal", default=None
+)
+_REFUSAL_MAX_BYTES = 65536
+
+
+async def _keep_refusal(_session: Any, _ctx: Any, params: aiohttp.TraceRequestEndParams) -> None:
+    kept, response = _REFUSAL.get(), params.response
+    if kept is None or response.status == 101:
+        return
+    with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        body = await response.content.read(_REFUSAL_MAX_BYTES)
+        kept.append((response.status, response.headers, body))
+
+
+def _refusal_trace() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_end.append(_keep_refusal)
+    return trace
+
+
 def _is_gateway_problem(headers: Any, body: bytes) -> bool:
     """A proxied answer the gateway wrote itself, not an upstream's own error."""
     if not headers.get("Content-Type", "").startswith("application/problem+json"):
@@ -195,7 +223,7 @@ class GatewayClient:
         self._key = key
         self._own_session = session is None
         if session is None:
-            session = aiohttp.ClientSession()
+            session = aiohttp.ClientSession(trace_configs=[_refusal_trace()])
             # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a
             # reused keep-alive connection turns out dead. A fenced call must be sent at most
             # once (the caller decides whether to retry, with the same Idempotency-Key), so
@@ -292,11 +320,36 @@ class GatewayClient:
     async def get_lease(self, resource: str) -> LeaseInfo:
         return LeaseInfo.from_json(await self.api("GET", _lease_path(resource)))
 
+    def proxy_headers(self) -> dict[str, str]:
+        """`Proxy-Authorization` with this client's key, when it has one."""
+        return {"Proxy-Authorization": f"Bearer {self._key}"} if self._key else {}
+
+    async def websocket(
+        self, path: str, headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> aiohttp.ClientWebSocketResponse[Any]:
+        """Open a WebSocket through the gateway (docs/contract.md §15); a refused upgrade
+        raises GatewayError (LeaseLost for the lease codes), like a refused call. Keyword
+        arguments go to aiohttp's `ws_connect` (e.g. `max_msg_size`, `heartbeat`)."""
+        sent = {**(headers or {}), **self.proxy_headers()}
+        kept: list[tuple[int, Any, bytes]] = []
+        token = _REFUSAL.set(kept)
+        try:
+            ws: aiohttp.ClientWebSocketResponse[Any] = await self.session.ws_connect(
+                f"{self.base_url}{path}", headers=sent, **kwargs
+            )
+            return ws
+        except aiohttp.WSServerHandshakeError as exc:
+            status, answer_headers, body = kept[0] if kept else (exc.status, exc.headers, b"")
+            if _is_gateway_problem(answer_headers or {}, body):
+                raise _error_from(status, answer_headers, body) from exc
+            raise GatewayError(status, f"http_{status}", exc.message) from exc
+        finally:
+            _REFUSAL.reset(token)
+
     async def request(self, method: str, path: str, **kwargs: Any) -> Response:
         """A proxied call; gateway problem+json raises, any upstream answer is returned."""
         headers = dict(kwargs.pop("headers", None) or {})
-        if self._key:
-            headers["Proxy-Authorization"] = f"Bearer {self._key}"
+        headers.update(self.proxy_headers())
         async with self.session.request(
             method, f"{self.base_url}{path}", headers=headers, **kwargs
         ) as resp:
@@ -472,6 +525,35 @@ class Lease:
             return await self._client.request(method, path, headers=headers, **kwargs)
         except LeaseLost as exc:
             self._lost_reason = f"gateway refused a fenced call: {exc.code}"
+            self._gone_on_server = True
+            raise
+
+    def cdp_headers(self) -> dict[str, str]:
+        """The headers that bind a browser automation connection to this lease: for
+        Playwright's `chromium.connect_over_cdp(f"{gateway}/{mount}", headers=...)` and
+        Puppeteer's `puppeteer.connect({browserWSEndpoint, headers})`. The gateway checks
+        them on the discovery call and on the WebSocket upgrade (docs/contract.md §15); the
+        session is closed (4409, 4408) when the lease is taken over or ends. LeaseLost when
+        this lease can no longer act."""
+        self.check()
+        return {
+            **fenced_headers(self.resource, self.fence, self.owner),
+            **self._client.proxy_headers(),
+        }
+
+    async def websocket(self, path: str, **kwargs: Any) -> aiohttp.ClientWebSocketResponse[Any]:
+        """A fenced session (docs/contract.md §15): a WebSocket through the gateway bound to
+        this lease. LeaseLost is raised before anything is sent when the lease is lost, and
+        when the gateway refuses the upgrade for it (`stale_fence`, `lease_expired`, ...).
+        The gateway closes the socket itself (4409 `stale_fence`, 4408 `lease_expired`) once
+        the lease is taken over or ends; use it as `async with await lease.websocket(...)`."""
+        self.check()
+        headers = dict(kwargs.pop("headers", None) or {})
+        headers.update(fenced_headers(self.resource, self.fence, self.owner))
+        try:
+            return await self._client.websocket(path, headers=headers, **kwargs)
+        except LeaseLost as exc:
+            self._lost_reason = f"gateway refused a session: {exc.code}"
             self._gone_on_server = True
             raise
 

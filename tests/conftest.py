@@ -87,13 +87,42 @@ async def make_app(tmp_path: Path, upstream: RecordingUpstream, aiohttp_client: 
     return make
 
 
+HTTP_PARSERS = ("c", "python")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "both_parsers: run against gateway subprocesses on aiohttp's C HTTP parser and on its "
+        "pure-Python one (AIOHTTP_NO_EXTENSIONS=1)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A `both_parsers` test that starts gateways runs once per HTTP parser."""
+    marked = metafunc.definition.get_closest_marker("both_parsers") is not None
+    if marked and "http_parser" in metafunc.fixturenames:
+        metafunc.parametrize("http_parser", HTTP_PARSERS, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def http_parser(request: pytest.FixtureRequest) -> str:
+    """The HTTP parser of the gateway subprocesses: aiohttp's C extension ("c", the default)
+    or, for `both_parsers` tests, also its pure-Python parser ("python"), where most of its
+    request-smuggling bugs were."""
+    return str(getattr(request, "param", "c"))
+
+
 @pytest.fixture
-async def gateway_factory(tmp_path: Path) -> AsyncIterator[GatewayFactory]:
+async def gateway_factory(tmp_path: Path, http_parser: str) -> AsyncIterator[GatewayFactory]:
     """Start `python -m gateway serve` on a policy dict; every process is killed on teardown.
 
-    `await gateway_factory(policy, extra_env={...}, sweep_interval_s=0.2)`
+    `await gateway_factory(policy, extra_env={...}, sweep_interval_s=0.2)`; the processes run
+    on the parser `http_parser` names.
     """
     started: list[GatewayProcess] = []
+    # aiohttp reads the variable as a flag: empty is off, whatever the test runner has set
+    parser_env = {"AIOHTTP_NO_EXTENSIONS": "1" if http_parser == "python" else ""}
 
     async def factory(
         policy: Mapping[str, Any],
@@ -105,7 +134,10 @@ async def gateway_factory(tmp_path: Path) -> AsyncIterator[GatewayFactory]:
         workdir.mkdir()
         policy_path = write_policy(workdir / "policies.yaml", policy)
         gateway = GatewayProcess(
-            workdir, policy_path, sweep_interval_s=sweep_interval_s, extra_env=extra_env
+            workdir,
+            policy_path,
+            sweep_interval_s=sweep_interval_s,
+            extra_env={**parser_env, **(extra_env or {})},
         )
         started.append(gateway)
         return await gateway.start()

@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         "path", nargs="?", help="a YAML file or folder (default: GATEWAY_POLICIES or ./policies)"
     )
     commands.add_parser("hash-key", help="read a client secret on stdin, print its sha256")
-    commands.add_parser("demo", help="play the two-worker race live, with its evidence")
+    demo = commands.add_parser("demo", help="play the two-worker race live, with its evidence")
+    demo.add_argument(
+        "--browser",
+        action="store_true",
+        help="the race over a real Chromium driven over CDP (needs Chromium installed)",
+    )
     from gateway.cli import remote
 
     remote.add_commands(commands)
@@ -62,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check_policies(args.path)
         if args.command == "hash-key":
             return _hash_key()
+        if args.command == "demo" and args.browser:
+            from gateway.cli import demo_browser
+
+            return demo_browser.main()
         if args.command == "demo":
             from gateway.cli import demo
 

@@ -65,6 +65,20 @@ class Upstream(_Model):
     max_connections: int = Field(100, gt=0)
     inject_headers: dict[str, str] = Field(default_factory=dict)
     tls: Tls = Field(default_factory=Tls)
+    # Sessions (docs/contract.md §15): WebSocket upgrades, and CDP discovery rewriting.
+    websocket: bool = False
+    cdp: bool = False
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    session_idle_timeout_s: float = Field(300, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cdp_implies_websocket(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("cdp") is True:
+            if data.get("websocket") is False:
+                raise ValueError("cdp: true implies websocket: true; leave websocket out")
+            data = {**data, "websocket": True}
+        return data
 
     @field_validator("url")
     @classmethod

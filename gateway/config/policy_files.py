@@ -75,6 +75,13 @@ def load_policies(
             for u in upstreams
             if u.name not in ruled
         )
+        # An upgrade is always fenced (docs/contract.md §15): with no rule, none is admitted.
+        warnings.extend(
+            f"{seen['name', u.name]}: upstream {u.name} accepts WebSocket upgrades but has no "
+            "resource rule: every upgrade is refused (resource_not_allowed)"
+            for u in upstreams
+            if u.websocket and u.name not in ruled
+        )
     secrets = {
         r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()
         for r in rules

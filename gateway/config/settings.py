@@ -11,6 +11,7 @@ import secrets
 import socket
 from functools import cached_property
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +46,8 @@ class Settings(BaseSettings):
     allow_open: bool = False
     failpoints: str | None = None
     workers: int = Field(1, ge=1, le=64)
+    # docs/contract.md §15: the address CDP discovery answers point at (http or https)
+    public_url: str | None = None
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -74,6 +77,29 @@ class Settings(BaseSettings):
         if not value.startswith(("sqlite:///", "postgresql://", "postgres://")):
             raise ValueError(f"{value!r}: use sqlite:///PATH or postgresql://…")
         return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urlsplit(value)
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: {exc}") from None
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.query
+            or parts.fragment
+            or "@" in parts.netloc
+            or any(ord(ch) <= 0x20 or ord(ch) == 0x7F for ch in value)
+        ):
+            raise ValueError(
+                f"{value!r}: an http(s) URL with a host and an optional path, "
+                "no credentials, query or fragment"
+            )
+        return value.rstrip("/")
 
     @cached_property
     def trusted_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Literal
 
 from gateway.core.receipts import ReceiptStatus
+from gateway.core.sessions import SessionRecord
 
 OutcomeStatus = Literal["succeeded", "failed", "not_sent", "outcome_unknown"]
 
@@ -28,6 +29,7 @@ class Outcome:
     error: str | None = None
     forwarded_at: float | None = None
     response: StoredAnswer | None = None  # kept for replay, only when whole
+    session: SessionRecord | None = None  # a session's, when it was opened (§15)
 
     @property
     def replayable(self) -> bool:

@@ -57,10 +57,13 @@ def is_lost(
     silent_after_s: float,
     ready_at: float,
     now: float,
+    session: bool = False,
 ) -> bool:
     """Whether a `pending` receipt's outcome is lost (docs/contract.md §9): its instance fell
     silent, or its call is older than its upstream's timeout plus grace. A receipt this
-    process still has in flight is never lost, whatever its age."""
+    process still has in flight is never lost, whatever its age; nor is an open session's
+    while its instance's heartbeat is alive (§15: a session may stay open for hours)."""
     if in_flight_here:
         return False
-    return heartbeat_at is None or heartbeat_at < now - silent_after_s or ready_at < now
+    silent = heartbeat_at is None or heartbeat_at < now - silent_after_s
+    return silent or (not session and ready_at < now)

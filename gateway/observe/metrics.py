@@ -95,5 +95,18 @@ class Metrics:
             registry=registry,
         )
 
+        self.sessions_open = Gauge(
+            "fence_gateway_sessions_open",
+            "Sessions (fenced WebSockets) open now",
+            ["upstream"],
+            registry=registry,
+        )
+        self.sessions = Counter(
+            "fence_gateway_sessions_total",
+            "Sessions ended, by what ended them",
+            ["upstream", "closed_by"],
+            registry=registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gateway.proxy.failpoints import Failpoints
     from gateway.proxy.flow import Flow
     from gateway.proxy.ordering import Lanes
+    from gateway.proxy.sessions import OpenSessions
     from gateway.proxy.upstream import Upstreams
     from gateway.store import Store
 
@@ -27,6 +28,8 @@ FAILPOINTS: web.AppKey[Failpoints] = web.AppKey("failpoints")
 CLIENTS: web.AppKey[Clients | None] = web.AppKey("clients")  # None: the gateway runs open
 # Receipt ids this process has admitted and not yet recorded: never "lost" to the sweeper.
 IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")
+# The sessions (fenced WebSockets, docs/contract.md §15) open in this process.
+SESSIONS: web.AppKey[OpenSessions] = web.AppKey("sessions")
 
 # Per-request state: the request id (set first, by the middleware), the authenticated client,
 # and the flow the call path fills in (read back by the middleware's problem and log line).

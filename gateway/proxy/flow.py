@@ -10,9 +10,11 @@ its own on the side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.config.policy import ResourceRule, Upstream
+from gateway.core.receipts import Kind
 from gateway.store.base import Admitted, Call, Rejection
 
 
@@ -32,6 +34,8 @@ class Flow:
     admitted: Admitted | None = None  # what admission said, when it let the call in
     status: int | None = None  # what the tool answered
     replayed: bool = False  # answered from a stored answer
+    kind: Kind = "call"  # "session": a WebSocket upgrade (docs/contract.md §15)
+    session: dict[str, Any] = field(default_factory=dict)  # a session's end, for its log line
 
     @property
     def receipt_id(self) -> str | None:
@@ -52,6 +56,7 @@ class Flow:
             path=self.rest,
             code=code,
             http_status=http_status,
+            kind=self.kind,
         )
 
     def log_fields(self) -> dict[str, object]:
@@ -62,4 +67,6 @@ class Flow:
             "fence": self.fence,
             "receipt_id": self.receipt_id,
             "status": self.status,
+            "kind": self.kind,
+            "session_end": self.session,
         }

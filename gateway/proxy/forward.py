@@ -15,12 +15,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import get_args
 
 import aiohttp
 from aiohttp import web
 
 from gateway.config.policy import ResourceRule
 from gateway.core import errors
+from gateway.core.fences import FenceRefusal
 from gateway.core.outcomes import Completion, Outcome
 from gateway.observe import logs
 from gateway.proxy import appkeys, headers
@@ -51,6 +53,12 @@ _BLOCKED = {
 }
 
 
+def blocked_error(blocked: str, resource: str, queue_timeout_s: float) -> errors.GatewayError:
+    """What the caller of an admitted call that was not sent is told (`_BLOCKED`)."""
+    kind, detail = _BLOCKED[blocked]
+    return kind(detail.format(resource=resource, timeout=queue_timeout_s), retry_after=1)
+
+
 async def take_turn(rule: ResourceRule, resource: str, place: Place) -> None:
     """With `concurrency: serial`, wait for this call's turn (step 3c)."""
     if rule.concurrency == "serial" and not await place.take_turn(rule.queue_timeout_s):
@@ -62,12 +70,20 @@ async def take_turn(rule: ResourceRule, resource: str, place: Place) -> None:
 async def admit(app: web.Application, call: Call, place: Place) -> Admitted | Replayed | Refused:
     """Steps 4 to 6 in one durable store transaction. The fence is registered in the place
     first: whichever of two calls is admitted first, the later one waits for it or is
-    refused as stale."""
+    refused as stale. Once the fence has advanced, the open sessions of the resource with a
+    lower fence on this process are cut (docs/contract.md §15); `clear_to_forward` then
+    waits for them to close."""
     place.register(call.fence)
     started = time.perf_counter()
     result = await app[appkeys.STORE].admit(call)
     app[appkeys.METRICS].admission.observe(time.perf_counter() - started)
+    if not isinstance(result, Refused) or result.code not in _FENCE_REFUSALS:
+        place.cut_below(call.fence)
     return result
+
+
+# Refusals at step 4: the fence did not advance. Any other refusal (step 5) advanced it.
+_FENCE_REFUSALS = frozenset(get_args(FenceRefusal))
 
 
 @dataclass(slots=True)
@@ -117,11 +133,7 @@ async def forward(
             blocked = "instance_lapsed"
         if blocked is not None:
             outcome = Outcome("not_sent", error=blocked)
-            kind, detail = _BLOCKED[blocked]
-            error = kind(
-                detail.format(resource=call.resource, timeout=rule.queue_timeout_s),
-                retry_after=1,
-            )
+            error = blocked_error(blocked, call.resource, rule.queue_timeout_s)
             yield Exchange(
                 outcome, await record(app, receipt_id, outcome), loop.time(), error=error
             )

@@ -4,25 +4,24 @@
 A fenced call's checks run cheapest first (headers, body, signature) and only then does it
 wait for a turn; every refusal before admission is kept as a `rejected` receipt in one place
 (`_checked`). From admission on, the call takes the one path every admitted call takes
-(`gateway.proxy.forward`).
+(`gateway.proxy.forward`). A WebSocket upgrade to an upstream that takes them is a session
+(`gateway.proxy.sessions`, §15); a CDP discovery answer is rewritten on its way back
+(`gateway.proxy.cdp`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from hashlib import sha256
 
 from aiohttp import web
 
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors, idempotency
 from gateway.observe import logs
-from gateway.proxy import appkeys, headers
+from gateway.proxy import appkeys, cdp, checks, headers, sessions
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.ordering import Place
@@ -44,6 +43,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request_target=found.request_target,
     )
     request[appkeys.FLOW] = flow
+    if found.websocket:
+        return await sessions.handle(request, flow, found.upstream)
     if request.method in request.app[appkeys.POLICIES].fenced_methods[found.upstream.name]:
         return await _fenced(request, flow, found.upstream)
     return await _plain(request, flow, found.upstream)
@@ -68,8 +69,11 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
         )
     except UpstreamFailure as failure:
         raise failure.error from None
+    discovery = cdp.is_discovery(upstream, request.method, flow.rest)
     async with answer:
-        head = await read_head(answer, 0, deadline)
+        head = await read_head(answer, cdp.DISCOVERY_MAX_BYTES if discovery else 0, deadline)
+        if discovery:
+            head = cdp.rewrite_head(head, cdp.public_base(request, upstream, settings), upstream)
         response, _ = await stream_back(
             request, head, answer, {headers.REQUEST_ID_HEADER: flow.request_id}, deadline
         )
@@ -78,20 +82,20 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
 
 async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
     app = request.app
-    async with _checked(request, flow, upstream) as (call, body, place):
+    async with _checked(request, flow, upstream) as (call, key, body, place):
         if request.transport is None or request.transport.is_closing():
             # nobody hears the answer: the call is not admitted, so nothing is forwarded
             raise errors.InvalidRequest("the client went away before admission")
         result = await admit(app, call, place)
         if isinstance(result, Refused):
-            raise _error_for(result)
+            raise checks.error_for(result)
         if isinstance(result, Replayed):
-            return await _replay(request, flow, call, result)
+            return await _replay(request, flow, call, key, result)
         flow.admitted = result
         answer_headers = {
             headers.RECEIPT_HEADER: result.receipt_id,
             headers.REQUEST_ID_HEADER: flow.request_id,
-            headers.IDEMPOTENCY_HEADER: call.idempotency_key,
+            headers.IDEMPOTENCY_HEADER: key,
             headers.FENCE_HEADER: str(call.fence),
         }
         async with forward(app, flow, place, _body_or_none(request, body), request) as exchange:
@@ -102,7 +106,11 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
                 error.headers.update(answer_headers)
                 raise error
             response, broke = await stream_back(
-                request, exchange.head, exchange.answer, answer_headers, exchange.deadline
+                request,
+                _discovery_rewritten(request, flow, upstream, exchange.head),
+                exchange.answer,
+                answer_headers,
+                exchange.deadline,
             )
         if broke and not exchange.head.broken:
             try:
@@ -115,13 +123,13 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
 @asynccontextmanager
 async def _checked(
     request: web.Request, flow: Flow, upstream: Upstream
-) -> AsyncIterator[tuple[Call, bytes, Place]]:
+) -> AsyncIterator[tuple[Call, str, bytes, Place]]:
     """Steps 1 to 3c: the headers, the body and the signature, then the turn in the
     resource's place. A refusal here, once resource and fence are readable, is kept as a
     `rejected` receipt; the place is held until the call's outcome is recorded."""
     app = request.app
     try:
-        rule = _rule(request, flow, upstream)
+        rule = checks.rule_of(request, flow, upstream)
         flow.fence = headers.parse_fence(request.headers)
         flow.owner = headers.parse_owner(request.headers)
         client_key = headers.parse_idempotency_key(request.headers)
@@ -130,9 +138,9 @@ async def _checked(
         body = await read_body(
             request, upstream.max_body_bytes, app[appkeys.SETTINGS].body_timeout_s
         )
-        _check_signature(request, rule, flow)
+        checks.check_signature(request, rule, flow)
     except errors.GatewayError as error:
-        await _keep_rejection(request, flow, error)
+        await checks.keep_rejection(request, flow, error)
         raise
     resource, fence = flow.resource or "", flow.fence
     key = client_key or _make_key(rule, resource, flow.method, flow.request_target, body)
@@ -157,85 +165,26 @@ async def _checked(
         try:
             await take_turn(rule, resource, place)
         except errors.GatewayError as error:
-            await _keep_rejection(request, flow, error)
+            await checks.keep_rejection(request, flow, error)
             raise
-        yield call, body, place
-
-
-def _rule(request: web.Request, flow: Flow, upstream: Upstream) -> ResourceRule:
-    """Step 2: the resource, its rule and the client's scope, before the fence is looked at."""
-    flow.resource = resource = headers.parse_resource(request.headers)
-    client = request.get(appkeys.CLIENT)
-    flow.client = client.name if client is not None else None
-    rule = request.app[appkeys.POLICIES].rule_for(upstream.name, resource)
-    if rule is None:
-        raise errors.ResourceNotAllowed(
-            f"no resource rule of upstream {upstream.name} matches {resource!r}"
-        )
-    if client is not None and not client.covers(resource):
-        raise errors.Forbidden(f"client {flow.client} may not act on {resource!r}")
-    flow.rule = rule
-    return rule
-
-
-async def _keep_rejection(request: web.Request, flow: Flow, error: errors.GatewayError) -> None:
-    """Leave a `rejected` receipt once resource and fence are readable; if the store is down
-    the client still gets `error`."""
-    if flow.resource is not None and flow.fence is None:
-        with contextlib.suppress(errors.GatewayError):  # step 2 failed: the fence, if any
-            flow.fence = headers.parse_fence(request.headers)
-    rejection = flow.rejection(error.code, error.status)
-    if rejection is None:
-        return
-    try:
-        receipt_id = await request.app[appkeys.STORE].reject(rejection)
-    except errors.StoreUnavailable as exc:
-        logs.event("store_write_failed", logging.WARNING, error=str(exc))
-        return
-    error.headers[headers.RECEIPT_HEADER] = receipt_id
-
-
-def _error_for(refused: Refused) -> errors.GatewayError:
-    """Admission said no: the problem names the receipt to look at (`receipt_id`) for an
-    idempotency refusal; X-Receipt-Id is the `rejected` receipt this call left."""
-    extra = {"receipt_id": refused.holder_receipt_id} if refused.holder_receipt_id else {}
-    return errors.from_code(
-        refused.code,
-        _REFUSAL_DETAIL.get(refused.code),
-        retry_after=1 if refused.code == "idempotency_in_flight" else None,
-        headers={headers.RECEIPT_HEADER: refused.receipt_id},
-        **extra,
-    )
-
-
-_REFUSAL_DETAIL = {
-    "stale_fence": "the fencing token is older than the resource's current owner",
-    "fence_not_issued": "the gateway never issued this fencing token for the resource",
-    "lease_expired": "the lease of this fencing token has expired or was released",
-    "owner_mismatch": "X-Lease-Owner is not the owner of this lease",
-    "not_lease_holder": "this client did not acquire the lease of this fencing token",
-    "idempotency_key_reused": "this idempotency key was used for a different call",
-    "idempotency_in_flight": "a call with this idempotency key is still in flight",
-    "outcome_unknown": "the outcome of the call with this key is unknown: reconcile first",
-    "already_completed": "the call with this idempotency key already completed",
-}
+        yield call, key, body, place
 
 
 async def _replay(
-    request: web.Request, flow: Flow, call: Call, replayed: Replayed
+    request: web.Request, flow: Flow, call: Call, key: str, replayed: Replayed
 ) -> web.StreamResponse:
     """The stored answer, as the tool gave it, marked as a replay."""
     flow.replayed = True
     head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
     response, _ = await stream_back(
         request,
-        head,
+        _discovery_rewritten(request, flow, flow.upstream, head),
         None,
         {
             "Idempotent-Replayed": "true",
             headers.RECEIPT_HEADER: replayed.receipt_id,
             headers.REQUEST_ID_HEADER: flow.request_id,
-            headers.IDEMPOTENCY_HEADER: call.idempotency_key,
+            headers.IDEMPOTENCY_HEADER: key,
             headers.FENCE_HEADER: str(call.fence),
         },
         # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
@@ -244,16 +193,15 @@ async def _replay(
     return response
 
 
-def _check_signature(request: web.Request, rule: ResourceRule, flow: Flow) -> None:
-    env = rule.lease.hmac_secret_env
-    if rule.lease.issuer != "external" or not env:
-        return
-    presented = headers.parse_signature(request.headers) or ""
-    secret = request.app[appkeys.POLICIES].hmac_secrets[env]
-    expected = hmac.new(secret, f"{flow.resource}\n{flow.fence}".encode(), sha256).hexdigest()
-    # surrogateescape: header bytes that are not UTF-8 compare unequal instead of failing
-    if not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode()):
-        raise errors.BadFenceSignature("X-Fence-Signature is missing or wrong")
+def _discovery_rewritten(
+    request: web.Request, flow: Flow, upstream: Upstream | None, head: Head
+) -> Head:
+    """A fenced CDP discovery answer (`PUT /json/new`), its WebSocket URLs pointing at the
+    gateway (docs/contract.md §15); the stored answer stays the tool's own."""
+    if upstream is None or not cdp.is_discovery(upstream, flow.method, flow.rest):
+        return head
+    settings = request.app[appkeys.SETTINGS]
+    return cdp.rewrite_head(head, cdp.public_base(request, upstream, settings), upstream)
 
 
 def _make_key(

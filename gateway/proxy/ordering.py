@@ -14,14 +14,20 @@ store. A lane is per process, which is exact on SQLite (one process per database
 several processes on one store (docs/contract.md §14) the store also says, at admission,
 whether calls that must go first are pending on another process (`Admitted.ahead`): the call
 then waits for the store to see them gone, looking again after a short pause that doubles.
+
+An open session (docs/contract.md §15) keeps its place, with its fence registered, for as long
+as it is open: it is a call in flight. It can be cut: when a higher fence is admitted for its
+resource, `cut_below` tells it to stop relaying and close, and the newer call then waits for
+it to leave like for any older call.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+from gateway.core.sessions import ClosedBy
 from gateway.store.base import Admitted, Call, Store, StoreUnavailable
 
 # Pauses between looks at the store for calls pending on other processes: a takeover there is
@@ -66,12 +72,13 @@ class Lanes:
 class Place:
     """One call's place in its resource's lane: its turn, its registered fence."""
 
-    __slots__ = ("_lane", "_turn_taken", "fence")
+    __slots__ = ("_lane", "_turn_taken", "cut", "fence")
 
     def __init__(self, lane: Lane) -> None:
         self._lane = lane
         self.fence: int | None = None
         self._turn_taken = False
+        self.cut: Callable[[ClosedBy], None] | None = None  # an open session's: end it
 
     async def take_turn(self, timeout_s: float) -> bool:
         """Wait for this call's turn in a serial resource; False when `timeout_s` passed."""
@@ -82,6 +89,20 @@ class Place:
             return False
         self._turn_taken = True
         return True
+
+    def release_turn(self) -> None:
+        """Let the next serial call go while this one stays registered: a session that is
+        open holds its fence in the lane, not the resource's turn."""
+        if self._turn_taken:
+            self._turn_taken = False
+            self._lane.turn.release()
+
+    def cut_below(self, fence: int) -> None:
+        """A call or session of `fence` was admitted: every open session of the resource
+        with a lower fence stops relaying now (docs/contract.md §15)."""
+        for other in list(self._lane.registered):
+            if other.cut is not None and other.fence is not None and other.fence < fence:
+                other.cut("fenced")
 
     def register(self, fence: int) -> None:
         self.fence = fence

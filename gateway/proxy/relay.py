@@ -50,14 +50,18 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
 
 
 def admitted_headers(
-    rule: ResourceRule, resource: str, fence: int, key: str, receipt_id: str, request_id: str
+    rule: ResourceRule,
+    resource: str,
+    fence: int,
+    key: str | None,
+    receipt_id: str,
+    request_id: str,
 ) -> dict[str, str]:
-    """What the gateway itself tells the tool about an admitted call."""
-    sent = {
-        rule.idempotency.upstream_header: key,
-        RECEIPT_HEADER: receipt_id,
-        REQUEST_ID_HEADER: request_id,
-    }
+    """What the gateway itself tells the tool about an admitted call (a session's upgrade
+    has no key)."""
+    sent = {} if key is None else {rule.idempotency.upstream_header: key}
+    sent[RECEIPT_HEADER] = receipt_id
+    sent[REQUEST_ID_HEADER] = request_id
     if rule.forward_fence_headers:
         sent[RESOURCE_HEADER] = resource
         sent[FENCE_HEADER] = str(fence)
@@ -86,7 +90,7 @@ def upstream_headers(
     if request is None:
         return headers
     peer = request.remote or ""
-    if _is_trusted(peer, trusted):
+    if is_trusted(peer, trusted):
         forwarded_for = [*request.headers.getall("X-Forwarded-For", []), peer]
         headers["X-Forwarded-For"] = ", ".join(forwarded_for)
         headers.setdefault("X-Forwarded-Proto", request.scheme)
@@ -96,7 +100,7 @@ def upstream_headers(
     return headers
 
 
-def _is_trusted(
+def is_trusted(
     peer: str,
     trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
 ) -> bool:

@@ -19,13 +19,15 @@ class Route:
     upstream: Upstream
     rest: str  # after the mount, with the query: what the tool is sent and receipts show
     request_target: str  # path and query as received, mount included: part of the fingerprint
+    websocket: bool = False  # a WebSocket upgrade to an upstream that takes them (§15)
 
 
 def route(request: web.Request, policies: PolicySet) -> Route:
     if request.method in ("TRACE", "CONNECT"):
         raise errors.MethodNotAllowed(f"{request.method} is not proxied")
-    if "Upgrade" in request.headers:
-        raise errors.UpgradeNotSupported("protocol upgrades (WebSocket) are not proxied")
+    upgrade = "Upgrade" in request.headers
+    if upgrade and not _is_websocket_upgrade(request):
+        raise errors.UpgradeNotSupported("only WebSocket upgrades (GET) are proxied")
     raw = request.raw_path
     if not raw.startswith("/"):
         raise errors.InvalidRequest("only origin-form request targets (/path) are accepted")
@@ -33,7 +35,30 @@ def route(request: web.Request, policies: PolicySet) -> Route:
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
         raise errors.InvalidRequest("a path with a '.' or '..' segment is refused")
     found = policies.route(path)
+    if found is None and upgrade:
+        raise errors.UpgradeNotSupported(f"no upstream taking WebSocket upgrades at {path}")
     if found is None:
         raise errors.NoRoute(f"no upstream is mounted at {path}")
     upstream, _ = found
-    return Route(upstream, raw[len(upstream.mount) :], raw)
+    if upgrade and not upstream.websocket:
+        raise errors.UpgradeNotSupported(
+            f"upstream {upstream.name} does not take WebSocket upgrades (websocket: false)"
+        )
+    return Route(upstream, raw[len(upstream.mount) :], raw, websocket=upgrade)
+
+
+def _is_websocket_upgrade(request: web.Request) -> bool:
+    """`GET` with `Upgrade: websocket` (one value) and `Connection: upgrade` (docs/contract.md
+    §2, §15); the handshake's own headers are checked when it is answered."""
+    upgrades = request.headers.getall("Upgrade", [])
+    connection = {
+        token.strip().lower()
+        for value in request.headers.getall("Connection", [])
+        for token in value.split(",")
+    }
+    return (
+        request.method == "GET"
+        and len(upgrades) == 1
+        and upgrades[0].strip().lower() == "websocket"
+        and "upgrade" in connection
+    )

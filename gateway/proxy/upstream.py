@@ -4,14 +4,20 @@ One `ClientSession` per upstream (its own connection pool and limits). Transport
 mapped to the outcomes of docs/contract.md §3 by whether a connection was in hand when they
 happened: before it, nothing was sent (`not_sent`); after it, the tool may have acted
 (`outcome_unknown`).
+
+An upstream that accepts WebSocket upgrades (docs/contract.md §15) has a second session for
+them, so that open sessions, which hold their connection for minutes, never take the pool
+its calls need. A refused upgrade's answer (status, headers, body) is kept to be passed back:
+aiohttp's `ws_connect` drops the body, so a trace hook reads it first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -22,6 +28,7 @@ from yarl import URL
 from gateway.config.policy import Upstream
 from gateway.core import errors
 from gateway.core.outcomes import Outcome
+from gateway.proxy.headers import HOP_BY_HOP, connection_named
 
 # aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
@@ -57,12 +64,93 @@ async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> N
     ctx.trace_request_ctx.connected = True
 
 
+# The answer to a refused upgrade is read up to this size; a longer body is cut there.
+REFUSAL_MAX_BYTES = 1024 * 1024
+# How long a side may take to answer the gateway's close frame before its connection is
+# aborted (docs/contract.md §15).
+CLOSE_WAIT_S = 1.0
+
+
+@dataclass(slots=True)
+class UpgradeRefused(Exception):
+    """The upstream answered an upgrade with something else than 101: passed back as it is."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass(slots=True)
+class _Handshake:
+    """What the trace hooks learn about one upgrade (ws_connect takes no trace context)."""
+
+    connected: bool = False
+    refused: UpgradeRefused | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+_HANDSHAKE: contextvars.ContextVar[_Handshake | None] = contextvars.ContextVar(
+    "fence_gateway_handshake", default=None
+)
+
+
+async def _on_ws_connection(_session: Any, _ctx: SimpleNamespace, _params: Any) -> None:
+    state = _HANDSHAKE.get()
+    if state is not None:
+        state.connected = True
+
+
+async def _on_ws_answer(
+    _session: Any, _ctx: SimpleNamespace, params: aiohttp.TraceRequestEndParams
+) -> None:
+    """Runs in the upgrading task before ws_connect looks at the status: a refusal's body is
+    read here, while the connection is still open."""
+    state, response = _HANDSHAKE.get(), params.response
+    if state is None or response.status == 101:
+        return
+    chunks, size = [], 0
+    try:
+        while size < REFUSAL_MAX_BYTES:
+            chunk = await response.content.read(REFUSAL_MAX_BYTES - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except (aiohttp.ClientError, OSError):
+        pass  # what arrived is passed back
+    removed = HOP_BY_HOP | connection_named(response.headers) | {"content-length"}
+    kept = [(k, v) for k, v in response.headers.items() if k.lower() not in removed]
+    state.refused = UpgradeRefused(response.status, kept, b"".join(chunks))
+
+
+class _CallConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, except that an idle keep-alive connection on which the tool sent
+    anything is closed, not reused.
+
+    A tool that sends more than its answer's framing says (a body longer than its
+    Content-Length, a second answer nobody asked for) leaves bytes on the connection after
+    the gateway has the whole answer and has pooled it. aiohttp parses them as an answer and
+    hands the connection to the next call, which then takes them for its own answer: another
+    client's call would get this tool's leftovers, and its receipt the wrong outcome. A
+    pooled connection with anything buffered (`should_close`) is dropped instead.
+    """
+
+    async def _get(self, key: Any, traces: Any) -> Any:
+        idle = self._conns.get(key)
+        if idle:
+            for entry in [entry for entry in idle if entry[0].should_close]:
+                idle.remove(entry)
+                entry[0].close()
+        return await super()._get(key, traces)
+
+
 class Upstreams:
     """The sessions of all upstreams; opened and closed with the app."""
 
     def __init__(self, upstreams: dict[str, Upstream]) -> None:
         self._config = upstreams
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._ws_sessions: dict[str, aiohttp.ClientSession] = {}
 
     async def open(self) -> None:
         require_no_resend_switch()
@@ -70,7 +158,7 @@ class Upstreams:
         trace.on_connection_create_end.append(_on_connection)
         trace.on_connection_reuseconn.append(_on_connection)
         for name, upstream in self._config.items():
-            connector = aiohttp.TCPConnector(
+            connector = _CallConnector(
                 limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
             )
             session = aiohttp.ClientSession(
@@ -86,10 +174,65 @@ class Upstreams:
             # at most once, so that retry is switched off (there is no public switch).
             session._retry_connection = False
             self._sessions[name] = session
+        ws_trace = aiohttp.TraceConfig()
+        ws_trace.on_connection_create_end.append(_on_ws_connection)
+        ws_trace.on_request_end.append(_on_ws_answer)
+        for name, upstream in self._config.items():
+            if not upstream.websocket:
+                continue
+            ws_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
+                ),
+                auto_decompress=False,
+                trace_configs=[ws_trace],
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
+            )
+            ws_session._retry_connection = False  # an upgrade is sent once, too
+            self._ws_sessions[name] = ws_session
 
     async def close(self) -> None:
-        await asyncio.gather(*(s.close() for s in self._sessions.values()))
+        sessions = [*self._sessions.values(), *self._ws_sessions.values()]
+        await asyncio.gather(*(s.close() for s in sessions))
         self._sessions.clear()
+        self._ws_sessions.clear()
+
+    async def open_websocket(
+        self,
+        upstream: Upstream,
+        rest: str,
+        headers: CIMultiDict[str],
+        protocols: tuple[str, ...],
+        deadline: float,
+    ) -> aiohttp.ClientWebSocketResponse[Literal[False]]:
+        """Open the upstream WebSocket of a session, once (docs/contract.md §15): the handshake
+        within `connect_timeout_s` and `deadline` (`timeout_s`), then no timeout at all.
+        Raises `UpgradeRefused` (a non-101 answer) or `UpstreamFailure`."""
+        state = _Handshake()
+        token = _HANDSHAKE.set(state)
+        url = URL(upstream.url + rest, encoded=True)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._ws_sessions[upstream.name].ws_connect(
+                    url,
+                    headers=headers,
+                    protocols=protocols,
+                    autoclose=False,
+                    autoping=False,
+                    # aiohttp refuses a message of exactly max_msg_size; the limit allows it
+                    max_msg_size=upstream.max_message_bytes + 1,
+                    compress=0,
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=CLOSE_WAIT_S),
+                    decode_text=False,
+                )
+        except Exception as exc:
+            if state.refused is not None:
+                raise state.refused from None
+            raise _classify(exc, state.connected, upstream) from exc
+        finally:
+            _HANDSHAKE.reset(token)
 
     async def send(
         self,
@@ -135,7 +278,8 @@ class Upstreams:
 
 
 def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
-    if not connected:
+    # A request head aiohttp cannot encode fails whole, before any byte of it is written.
+    if not connected or isinstance(exc, UnicodeEncodeError):
         return UpstreamFailure(
             "not_sent",
             errors.UpstreamUnreachable(

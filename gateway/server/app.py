@@ -13,7 +13,7 @@ from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
 from gateway.console.mount import mount as mount_console
 from gateway.observe.metrics import Metrics
-from gateway.proxy import appkeys, handler
+from gateway.proxy import appkeys, handler, sessions
 from gateway.proxy.failpoints import Failpoints
 from gateway.proxy.ordering import Lanes
 from gateway.proxy.upstream import Upstreams
@@ -33,6 +33,7 @@ def create_app(
     app[appkeys.METRICS] = Metrics()
     app[appkeys.LANES] = Lanes()
     app[appkeys.IN_FLIGHT] = set()
+    sessions.install(app)  # fenced WebSockets: the open ones, and their end at shutdown
     app[appkeys.FAILPOINTS] = Failpoints(settings.failpoint_map)
     app.cleanup_ctx.extend([_store_ctx, _upstreams_ctx, sweeper_ctx])
     app.router.add_routes(ops.routes)

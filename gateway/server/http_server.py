@@ -2,7 +2,16 @@
 
 * a connection that sends no complete request head within `GATEWAY_HEADER_TIMEOUT_S` is
   closed (aiohttp only has an idle keep-alive timeout, which a slow head resets);
-* requests the HTTP parser refuses are answered with problem+json, oversized heads `431`.
+* requests the HTTP parser refuses are answered with problem+json, oversized heads `431`;
+* request targets are refused `400` alike on aiohttp's C parser and its pure-Python one: a
+  target with characters outside ASCII (the C parser refuses it, the Python one passed it on
+  to the tool), and an absolute-form or CONNECT target whose host does not decode
+  (`http://xn--a/`, on either parser: building the request from it fails inside aiohttp's
+  connection task, which then neither answers nor closes the connection);
+* so is a request with a header to pass on to the tool whose value has bytes that are not
+  UTF-8: aiohttp's client cannot send it as received (its C writer drops those bytes, its
+  Python writer fails after the connection was taken). The headers the gateway reads itself
+  are left to their own checks (docs/contract.md §3).
 
 aiohttp builds its protocol objects inside `web.Server`, with no hook; `GatewayRunner` swaps
 the class of the server it made for a subclass that builds ours. It is the one place that
@@ -15,11 +24,50 @@ import asyncio
 from typing import Any, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import BadHttpMessage, InvalidURLError, LineTooLong
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from gateway.core import errors
+from gateway.proxy.headers import (
+    FENCE_HEADER,
+    GATEWAY_OWNED,
+    HOP_BY_HOP,
+    IDEMPOTENCY_HEADER,
+    OWNER_HEADER,
+    REQUEST_ID_HEADER,
+    RESOURCE_HEADER,
+    SIGNATURE_HEADER,
+)
 from gateway.server.middleware import problem_response
+
+# Headers never passed on as the client sent them: the gateway reads, replaces or drops them.
+_NOT_PASSED_ON = (
+    HOP_BY_HOP
+    | GATEWAY_OWNED
+    | frozenset(
+        h.lower()
+        for h in (
+            RESOURCE_HEADER,
+            FENCE_HEADER,
+            OWNER_HEADER,
+            SIGNATURE_HEADER,
+            IDEMPOTENCY_HEADER,
+            REQUEST_ID_HEADER,
+        )
+    )
+)
+
+
+def _not_utf8(headers: Any) -> str | None:
+    """The first header to pass on whose value has bytes that are not UTF-8 (the parsers
+    keep them as surrogates), or None."""
+    for name, value in headers.items():
+        if not value.isascii() and name.lower() not in _NOT_PASSED_ON:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return str(name)
+    return None
 
 
 class _GatewayRequestHandler(RequestHandler):
@@ -31,12 +79,36 @@ class _GatewayRequestHandler(RequestHandler):
         self._start_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        heads = self._request_count
+        heads, queued = self._request_count, len(self._messages)
         super().data_received(data)
+        self._refuse_unforwardable(queued)
         if self._request_count > heads:
             self._cancel_head_timer()  # a whole head arrived
         elif self._current_request is None and not self._messages:
             self._start_head_timer()  # bytes of a new head: it has a deadline
+
+    def _refuse_unforwardable(self, first: int) -> None:
+        """Turn each request queued from `first` on that the module's docstring says is
+        refused into the parser error it should have been."""
+        for at in range(first, len(self._messages)):
+            message, payload = self._messages[at]
+            if isinstance(message, _ErrInfo):
+                continue  # a parser error already
+            target, url = message.path, message.url
+            refusal: BadHttpMessage | None = None
+            if not target.isascii():
+                refusal = InvalidURLError(f"the request target {target[:100]!r} is not ASCII")
+            elif url.absolute:
+                try:
+                    url.host  # noqa: B018 - what building the request reads, and may fail on
+                except ValueError:
+                    refusal = InvalidURLError(f"the host of {target[:100]!r} is not valid")
+            if refusal is None and not target.startswith("/_gateway/"):
+                name = _not_utf8(message.headers)
+                if name is not None:
+                    refusal = BadHttpMessage(f"header {name} has bytes that are not UTF-8")
+            if refusal is not None:
+                self._messages[at] = (_ErrInfo(400, refusal, refusal.message), payload)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
@@ -54,8 +126,7 @@ class _GatewayRequestHandler(RequestHandler):
     def _head_late(self) -> None:
         self._head_timer = None
         if self._current_request is None and not self._messages and self.transport is not None:
-            self.force_close()
-            self.transport.close()
+            self.force_close()  # closes the transport, and lets go of it
 
     def handle_error(
         self,

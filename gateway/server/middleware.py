@@ -122,8 +122,15 @@ def _log(
     replayed: bool,
     started: float,
 ) -> None:
+    session = fields.get("kind") == "session"
     logs.event(
-        "rejected" if error is not None else "replayed" if replayed else "call",
+        "rejected"
+        if error is not None
+        else "replayed"
+        if replayed
+        else "session"
+        if session
+        else "call",
         logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),
@@ -136,4 +143,6 @@ def _log(
         status=response.status,
         code=error.code if error is not None else None,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        # a session's end (docs/contract.md §15): closed_by, close_code and its counts
+        **(fields.get("session_end") or {}),
     )

@@ -18,7 +18,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.leases import Lease, Release
 from gateway.core.outcomes import Completion, Outcome
-from gateway.core.receipts import ReceiptStatus, ReconcileWaits, Resolution
+from gateway.core.receipts import Kind, ReceiptStatus, ReconcileWaits, Resolution
+from gateway.core.sessions import FenceState, SessionRecord
 from gateway.core.times import rfc3339
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "CleanupClaim",
     "CleanupDelay",
     "Completion",
+    "FenceState",
     "Lease",
     "Outcome",
     "OwedCleanup",
@@ -38,6 +40,7 @@ __all__ = [
     "Release",
     "Replayed",
     "ResolveRefused",
+    "SessionRecord",
     "Store",
     "StoreUnavailable",
 ]
@@ -45,7 +48,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """A fenced call that passed the header checks, as admission needs it."""
+    """A fenced call that passed the header checks, as admission needs it. A session's
+    upgrade (`kind="session"`, docs/contract.md §15) takes no idempotency key: its key and
+    fingerprint are None, and admission skips step 5."""
 
     resource: str
     fence: int
@@ -55,12 +60,13 @@ class Call:
     method: str
     path: str  # after the mount, with the query
     issuer: Issuer
-    idempotency_key: str
-    fingerprint: str
+    idempotency_key: str | None
+    fingerprint: str | None
     retry_statuses: frozenset[int]
     retention_s: float
     clients_configured: bool = False
     serial: bool = False  # its rule's `concurrency: serial`: one call at a time
+    kind: Kind = "call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,7 @@ class Admitted:
     §14). A store only one process uses says `ahead=False`: that process's lanes see all."""
 
     receipt_id: str
-    attempt: int
+    attempt: int | None  # None for a session: it takes no key
     owner: str | None
     instance: str
     ahead: bool = False
@@ -110,6 +116,7 @@ class Rejection:
     path: str
     code: str
     http_status: int
+    kind: Kind = "call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,8 @@ class Receipt:
     completed_at: float | None
     instance: str
     resolution: dict[str, Any] | None
+    kind: Kind = "call"
+    session: dict[str, Any] | None = None  # SessionRecord.to_json(), as stored
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -161,6 +170,8 @@ class Receipt:
             "completed_at": rfc3339(self.completed_at),
             "instance": self.instance,
             "resolution": self.resolution,
+            "kind": self.kind,
+            "session": self.session,
         }
 
 
@@ -209,6 +220,7 @@ class Store(Protocol):
 
     recovered: dict[str, int]  # receipts turned outcome_unknown at open, by upstream
     instance: str  # the id this process writes its receipts and heartbeat under, now
+    shared: bool  # other processes may admit calls on this store (docs/contract.md §14)
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
@@ -245,6 +257,17 @@ class Store(Protocol):
 
     async def mark_incomplete(self, receipt_id: str) -> None:
         """The answer's body broke after its outcome was recorded: nothing is replayable."""
+        ...
+
+    # sessions (§15)
+    async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:
+        """A session's upstream WebSocket is open: its `pending` receipt gets `http_status`
+        101 and its `session` object."""
+        ...
+
+    async def fence_states(self, resources: list[str]) -> dict[str, FenceState]:
+        """For resources with open sessions: each one's highest accepted fence and its
+        gateway-issued lease, by the store's clock; one read for all of them."""
         ...
 
     # receipts (§7)

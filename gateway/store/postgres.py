@@ -36,6 +36,7 @@ from gateway.store.base import (
     CleanupClaim,
     CleanupDelay,
     Completion,
+    FenceState,
     Lease,
     Outcome,
     OwedCleanup,
@@ -46,6 +47,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    SessionRecord,
     shown,
 )
 from gateway.store.ids import MonotonicUlid
@@ -62,9 +64,9 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
-_MIGRATIONS = {1: "schema/postgres-1.sql", 2: "schema/postgres-2.sql"}
+_MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
 POOL_MIN, POOL_MAX = 1, 10
 # A database that stops answering must not hold a call (or the heartbeat) forever: the call
@@ -123,8 +125,9 @@ _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resou
 _INSERT_REJECTED = (
     "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
     "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-    "completed_at, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'rejected', "
-    f"$11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14)"
+    "completed_at, instance, kind) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
+    f"'rejected', $11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14, "
+    "$15)"
 )
 # A refusal at the idempotency step still advances the fence (docs/contract.md §3, step 6).
 _ADVANCE_AND_REJECT = (
@@ -152,17 +155,29 @@ _ADMIT = (
     "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
 )
+# A session's admission (docs/contract.md §15): the fence advanced and the `pending` receipt
+# written, no key, no serial turn (an open session must not hold the resource's turns).
+_ADMIT_SESSION = (
+    "WITH f AS (UPDATE fences SET accepted = greatest(accepted, $3) WHERE resource = $1 "
+    "RETURNING 1), "
+    "r AS (INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
+    "status, created_at, forwarded_at, instance, kind) "
+    "SELECT $2, $1, $3, $4, $5, $6, $7, $8, 'pending', $9, $9, $10, 'session' FROM f) "
+    "SELECT EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
+    "AND o.status = 'pending' AND o.fence < $3) AS ahead"
+)
 # The same question later, while the call waits.
 _AHEAD = (
     "SELECT EXISTS (SELECT 1 FROM receipts WHERE resource = $1 AND status = 'pending' "
     "AND (fence < $2 OR turn < $3))"
 )
 
-# An outcome onto a receipt; $10: whether it settles the key (its retention starts).
+# An outcome onto a receipt; $10: whether it settles the key (its retention starts); $11: a
+# session's object (kept as it was when None).
 _RECORD = (
     "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $5, "
     f"forwarded_at = $6, completed_at = {_NOW}, replayable = $7, response_headers = $8, "
-    "response_body = $9 WHERE id = $1 {only_pending} "
+    "response_body = $9, session = coalesce($11, session) WHERE id = $1 {only_pending} "
     "RETURNING resource, idempotency_key, completed_at), "
     "k AS (UPDATE idempotency_keys k SET expires_at = r.completed_at + k.retention_s FROM r "
     "WHERE $10 AND k.resource = r.resource AND k.key = r.idempotency_key "
@@ -228,6 +243,8 @@ def _database_errors() -> tuple[type[BaseException], ...]:
 
 
 class PostgresStore:
+    shared = True  # any number of replicas admit calls on one database
+
     def __init__(
         self,
         url: str,
@@ -403,7 +420,10 @@ class PostgresStore:
     async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
         locked = await conn.fetchrow(_LOCK_FENCES, call.resource)
         issued, accepted, now = locked["issued"], locked["accepted"], locked["now"]
-        row = await conn.fetchrow(_ADMIT_READ, call.resource, call.idempotency_key)
+        key, fingerprint = call.idempotency_key, call.fingerprint
+        if key is None or fingerprint is None:  # a session: no step 5 (docs/contract.md §15)
+            return await self._admit_session(conn, call, issued, accepted, now)
+        row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
         current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
         code, owner = fences.check(
             call.issuer,
@@ -425,7 +445,7 @@ class PostgresStore:
 
         latest = key_state(_prefixed(row, "k_")) if row["k_id"] is not None else None
         decision = idempotency.decide(
-            latest, call.fingerprint, call.retry_statuses, int(row["pruned"] or 0)
+            latest, fingerprint, call.retry_statuses, int(row["pruned"] or 0)
         )
         if isinstance(decision, idempotency.Replay):
             stored = await conn.fetchrow(
@@ -473,6 +493,43 @@ class PostgresStore:
             turn=admitted["turn"],
         )
 
+    async def _admit_session(
+        self, conn: Any, call: Call, issued: int, accepted: int, now: float
+    ) -> Admitted | Refused:
+        """Steps 4 and 6 for an upgrade, under the resource's lock."""
+        current = await self._lease(conn, call.resource) if call.issuer == "gateway" else None
+        code, owner = fences.check(
+            call.issuer,
+            call.fence,
+            issued,
+            accepted,
+            current.view(now) if current else None,
+            call.owner,
+            call.client,
+            call.clients_configured,
+        )
+        receipt_id = self._new_id(now)
+        if code is not None:
+            await conn.execute(
+                _INSERT_REJECTED,
+                *self._rejected_args(receipt_id, call, owner, code, now, with_key=False),
+            )
+            return Refused(code, receipt_id)
+        ahead = await conn.fetchval(
+            _ADMIT_SESSION,
+            call.resource,
+            receipt_id,
+            call.fence,
+            owner,
+            call.client,
+            call.upstream,
+            call.method,
+            call.path,
+            now,
+            instance := self.instance,
+        )
+        return Admitted(receipt_id, None, owner, instance, ahead=bool(ahead))
+
     def _rejected_args(
         self,
         receipt_id: str,
@@ -498,6 +555,7 @@ class PostgresStore:
             code,
             now,
             self.instance,
+            call.kind,
         )
 
     async def reject(self, rejection: Rejection) -> str:
@@ -521,6 +579,7 @@ class PostgresStore:
                 rejection.code,
                 None,
                 self.instance,
+                rejection.kind,
             )
             return receipt_id
 
@@ -561,6 +620,7 @@ class PostgresStore:
             json.dumps(headers) if headers is not None else None,
             body,
             outcomes.settles_key(completion, outcome.status),
+            json.dumps(outcome.session.to_json()) if outcome.session is not None else None,
         )
 
     async def _complete(self, conn: Any, receipt_id: str, outcome: Outcome) -> Completion:
@@ -600,6 +660,35 @@ class PostgresStore:
             ),
             writes=True,
         )
+
+    async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "UPDATE receipts SET http_status = 101, session = $2 "
+                "WHERE id = $1 AND status = 'pending'",
+                receipt_id,
+                json.dumps(record.to_json()),
+            ),
+            writes=True,
+        )
+
+    async def fence_states(self, resources: list[str]) -> dict[str, FenceState]:
+        """One indexed read for every resource with open sessions: each watching replica
+        asks it a few times a second, so it takes no lock."""
+
+        async def op(conn: Any) -> dict[str, FenceState]:
+            rows = await conn.fetch(
+                f"SELECT f.resource, f.accepted, l.fence, l.state = 'held' AND l.expires_at > "
+                f"{_NOW} AS live FROM fences f LEFT JOIN leases l ON l.resource = f.resource "
+                "WHERE f.resource = ANY($1::text[])",
+                resources,
+            )
+            return {
+                row["resource"]: FenceState(row["accepted"], row["fence"], bool(row["live"]))
+                for row in rows
+            }
+
+        return await self._run(op, writes=False)
 
     async def mark_incomplete(self, receipt_id: str) -> None:
         await self._run(
@@ -1015,7 +1104,7 @@ class PostgresStore:
 
         async def op(conn: Any) -> dict[str, int]:
             rows = await conn.fetch(
-                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at, "
+                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, r.kind, i.heartbeat_at, "
                 f"{_NOW} AS now FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'"
             )
@@ -1030,6 +1119,7 @@ class PostgresStore:
                     ready_at=waits.ready_at(
                         row["upstream"], row["forwarded_at"], row["created_at"]
                     ),
+                    session=row["kind"] == "session",
                 )
             ]
             if not lost:

@@ -39,6 +39,8 @@ RECEIPT_COLUMNS = (
     "completed_at",
     "instance",
     "resolution",
+    "kind",
+    "session",
 )
 
 RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
@@ -73,8 +75,9 @@ def count_by_upstream(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 def receipt_of(row: Mapping[str, Any]) -> Receipt:
     values = {name: row[name] for name in RECEIPT_COLUMNS}
     values["late"] = bool(values["late"])
-    if values["resolution"] is not None and isinstance(values["resolution"], str):
-        values["resolution"] = json.loads(values["resolution"])
+    for name in ("resolution", "session"):
+        if values[name] is not None and isinstance(values[name], str):
+            values[name] = json.loads(values[name])
     return Receipt(**values)
 
 

@@ -32,6 +32,7 @@ from gateway.store.base import (
     CleanupClaim,
     CleanupDelay,
     Completion,
+    FenceState,
     Lease,
     Outcome,
     OwedCleanup,
@@ -42,6 +43,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    SessionRecord,
     shown,
 )
 from gateway.store.group_commit import GroupCommitter
@@ -60,10 +62,18 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
+SCHEMA_VERSION = 2
+"""The newest schema this code knows: `schema/sqlite.sql` is version 1, and
+`schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
+_IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
 
 
 class StoreLocked(Exception):
     """Another gateway process already serves this SQLite database."""
+
+
+class SchemaTooNew(Exception):
+    """The database was written by a newer gateway: this one must not serve it."""
 
 
 def sqlite_path(url: str) -> Path:
@@ -71,6 +81,8 @@ def sqlite_path(url: str) -> Path:
 
 
 class SqliteStore:
+    shared = False  # one process per database: its lanes see every call in flight
+
     def __init__(
         self,
         path: Path,
@@ -154,7 +166,25 @@ class SqliteStore:
         else:
             schema = resources.files("gateway.store").joinpath("schema/sqlite.sql").read_text()
             conn.executescript(schema)
+            self._migrate(conn)
         return conn
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Bring the schema to `SCHEMA_VERSION`, one version per transaction; refuse a
+        database of a newer gateway. A database from before versioning reads 0, as version 1
+        (the base schema, which `CREATE TABLE IF NOT EXISTS` has just made sure of)."""
+        version = max(conn.execute("PRAGMA user_version").fetchone()[0], 1)
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"the SQLite schema is version {version}, newer than this gateway knows "
+                f"({SCHEMA_VERSION}): upgrade the gateway"
+            )
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            script = resources.files("gateway.store").joinpath(f"schema/sqlite-{step}.sql")
+            conn.executescript(
+                f"BEGIN IMMEDIATE; {script.read_text()}\nPRAGMA user_version = {step}; COMMIT;"
+            )
 
     def _register_and_recover(self, conn: sqlite3.Connection) -> None:
         """At start every `pending` receipt is an earlier run's: this process holds the lock."""
@@ -217,18 +247,22 @@ class SqliteStore:
             "DO UPDATE SET accepted = max(accepted, excluded.accepted)",
             (call.resource, call.fence),
         )
+        key, fingerprint = call.idempotency_key, call.fingerprint
+        if key is None or fingerprint is None:  # a session: no step 5 (docs/contract.md §15)
+            receipt_id = self._insert_admitted(conn, call, owner, None, now)
+            return Admitted(receipt_id, None, owner, self.instance)
 
-        latest = self._key_state(conn, call.resource, call.idempotency_key)
+        latest = self._key_state(conn, call.resource, key)
         pruned = (
             0
             if latest is not None
             else conn.execute(
                 "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
                 "AND status != 'rejected'",
-                (call.idempotency_key, call.resource),
+                (key, call.resource),
             ).fetchone()[0]
         )
-        decision = idempotency.decide(latest, call.fingerprint, call.retry_statuses, pruned)
+        decision = idempotency.decide(latest, fingerprint, call.retry_statuses, pruned)
         if isinstance(decision, idempotency.Replay):
             stored = conn.execute(
                 "SELECT http_status, response_headers, response_body FROM receipts WHERE id = ?",
@@ -244,11 +278,30 @@ class SqliteStore:
             receipt_id = self._insert_rejected(conn, call, owner, decision.code, now, True)
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
+        receipt_id = self._insert_admitted(conn, call, owner, decision.attempt, now)
+        conn.execute(
+            "INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
+            "VALUES (?, ?, ?, ?, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
+            "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, "
+            "expires_at = NULL",
+            (call.resource, key, receipt_id, call.retention_s),
+        )
+        return Admitted(receipt_id, decision.attempt, owner, self.instance)
+
+    def _insert_admitted(
+        self,
+        conn: sqlite3.Connection,
+        call: Call,
+        owner: str | None,
+        attempt: int | None,
+        now: float,
+    ) -> str:
+        """The `pending` receipt of an admitted call or session."""
         receipt_id = self._new_id(now)
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-            "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
+            "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, "
+            "kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
             (
                 receipt_id,
                 call.resource,
@@ -260,20 +313,14 @@ class SqliteStore:
                 call.path,
                 call.idempotency_key,
                 call.fingerprint,
-                decision.attempt,
+                attempt,
                 now,
                 now,
                 self.instance,
+                call.kind,
             ),
         )
-        conn.execute(
-            "INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
-            "VALUES (?, ?, ?, ?, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
-            "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, "
-            "expires_at = NULL",
-            (call.resource, call.idempotency_key, receipt_id, call.retention_s),
-        )
-        return Admitted(receipt_id, decision.attempt, owner, self.instance)
+        return receipt_id
 
     @staticmethod
     def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
@@ -321,6 +368,7 @@ class SqliteStore:
                 path=call.path,
                 code=code,
                 http_status=BY_CODE[code].status,
+                kind=call.kind,
             ),
             now,
             call.idempotency_key if with_key else None,
@@ -339,8 +387,8 @@ class SqliteStore:
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-            "completed_at, instance) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?)",
+            "completed_at, instance, kind) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?, ?)",
             (
                 receipt_id,
                 rejection.resource,
@@ -357,6 +405,7 @@ class SqliteStore:
                 now,
                 now,
                 self.instance,
+                rejection.kind,
             ),
         )
         return receipt_id
@@ -387,7 +436,7 @@ class SqliteStore:
             conn.execute(
                 "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
                 "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
-                "response_body = ? WHERE id = ?",
+                "response_body = ?, session = coalesce(?, session) WHERE id = ?",
                 (
                     outcome.status,
                     outcome.http_status,
@@ -398,6 +447,7 @@ class SqliteStore:
                     int(outcome.replayable),
                     json.dumps(headers) if headers is not None else None,
                     body,
+                    _session_json(outcome.session),
                     receipt_id,
                 ),
             )
@@ -425,6 +475,37 @@ class SqliteStore:
                 (self._now(), receipt_id),
             )
         )
+
+    async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:
+        await self._write(
+            lambda conn: conn.execute(
+                "UPDATE receipts SET http_status = 101, session = ? "
+                "WHERE id = ? AND status = 'pending'",
+                (_session_json(record), receipt_id),
+            )
+        )
+
+    async def fence_states(self, resources: list[str]) -> dict[str, FenceState]:
+        def op(conn: sqlite3.Connection) -> dict[str, FenceState]:
+            now = self._now()
+            states: dict[str, FenceState] = {}
+            for start in range(0, len(resources), _IN_LIST_MAX):
+                chunk = resources[start : start + _IN_LIST_MAX]
+                rows = conn.execute(
+                    "SELECT f.resource, f.accepted, l.fence, l.state, l.expires_at "
+                    "FROM fences f LEFT JOIN leases l ON l.resource = f.resource "
+                    f"WHERE f.resource IN ({', '.join('?' * len(chunk))})",
+                    chunk,
+                ).fetchall()
+                for row in rows:
+                    states[row["resource"]] = FenceState(
+                        accepted=row["accepted"],
+                        lease_fence=row["fence"],
+                        lease_live=row["state"] == "held" and now < row["expires_at"],
+                    )
+            return states
+
+        return await self._read(op)
 
     async def mark_incomplete(self, receipt_id: str) -> None:
         await self._write(
@@ -800,7 +881,7 @@ class SqliteStore:
         def op(conn: sqlite3.Connection) -> dict[str, int]:
             now = self._now()
             rows = conn.execute(
-                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, i.heartbeat_at "
+                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, r.kind, i.heartbeat_at "
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'"
             ).fetchall()
@@ -815,6 +896,7 @@ class SqliteStore:
                     ready_at=waits.ready_at(
                         row["upstream"], row["forwarded_at"], row["created_at"]
                     ),
+                    session=row["kind"] == "session",
                 )
             ]
             conn.executemany(
@@ -850,3 +932,7 @@ class SqliteStore:
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
         return await self._read(op)
+
+
+def _session_json(record: SessionRecord | None) -> str | None:
+    return json.dumps(record.to_json()) if record is not None else None

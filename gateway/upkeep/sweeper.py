@@ -28,6 +28,7 @@ from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.upkeep.cleanup import Cleaner
 from gateway.upkeep.reconcile import wait_times
+from gateway.upkeep.session_watch import watch
 
 HEARTBEATS_PER_INTERVAL = 2
 
@@ -63,6 +64,7 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [
         asyncio.create_task(_heartbeats(app), name="heartbeat"),
         asyncio.create_task(_loop(app, cleaner), name="sweeper"),
+        asyncio.create_task(watch(app), name="session-watch"),  # docs/contract.md §15
     ]
     yield
     for task in tasks:

@@ -4,7 +4,7 @@ docs/contract.md §3 steps 2, 3, 3a and 3b (in that order), §2 (routing, method
 dot segments, body limits) and §5 (problem+json, never a 5xx for a bad request).
 Requests go out as raw bytes so that nothing (duplicate headers, dot segments, non-ASCII
 digits, empty values) is normalised away by a client library. The gateway runs as a
-subprocess, except in the last classes, which run it in process (`make_app`).
+subprocess, once on aiohttp's C HTTP parser and once on its pure-Python one.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from collections.abc import Iterable, Sequence
 import pytest
 
 from tests.harness import (
-    AppFactory,
     GatewayFactory,
     GatewayProcess,
-    InProcessGateway,
     RecordingUpstream,
     build_raw,
     chunked,
@@ -28,6 +26,8 @@ from tests.harness import (
     problem_summary,
     raw_request,
 )
+
+pytestmark = pytest.mark.both_parsers
 
 MAX_BODY = 1024
 RESOURCE = "ok/a"
@@ -416,13 +416,8 @@ class TestBodyLimit:
         ]
 
 
-# --------------------------------------------------------------------------------------------
-# In process
-# --------------------------------------------------------------------------------------------
-
-
 @pytest.fixture
-async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGateway:
+async def gw(upstream: RecordingUpstream, gateway_factory: GatewayFactory) -> GatewayProcess:
     """`shared/*` unsigned and `signed/*` with an HMAC secret, on one upstream."""
     policy = make_policy(
         upstream.url,
@@ -432,14 +427,14 @@ async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGate
         ],
         timeout_s=1,
     )
-    return await make_app(policy, environ={"SECRET": "s"})
+    return await gateway_factory(policy, extra_env={"SECRET": "s"})
 
 
 class TestConnectMethod:
     """§2: CONNECT in authority form is refused `405`, never tunnelled and never a 500."""
 
     async def test_connect_in_authority_form_is_405(self, gw):
-        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
         status_line = await asyncio.wait_for(reader.readline(), 5)
         writer.close()
@@ -458,7 +453,7 @@ class TestNonUtf8HeaderBytes:
         ],
     )
     async def test_non_utf8_header_bytes_are_no_500(self, gw, upstream, resource, header, status):
-        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(
             b"POST /tool/x HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: "
             + resource

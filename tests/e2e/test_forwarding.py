@@ -954,6 +954,7 @@ class TestUpstreamFailures:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_parsers
 class TestBodyLimits:
     async def test_over_the_limit_with_and_without_content_length_is_413(
         self, upstream, gateway_factory, session

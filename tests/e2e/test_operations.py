@@ -183,6 +183,7 @@ class TestLifecycle:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_parsers
 class TestHttpEdges:
     @pytest.fixture
     async def gateway(self, upstream, gateway_factory: GatewayFactory) -> GatewayProcess:
@@ -222,6 +223,7 @@ class TestHttpEdges:
             elapsed = await self.closed_after(gateway, trickle)
             assert 0.4 <= elapsed <= 3.0, (trickle, elapsed)
         assert upstream.requests == []
+        assert "Traceback" not in gateway.stderr_text()
 
     async def test_a_header_over_8190_bytes_is_431(self, gateway, upstream) -> None:
         assert gateway.port is not None
