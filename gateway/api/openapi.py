@@ -171,6 +171,25 @@ _SCHEMAS: dict[str, Any] = {
             "forwarded_at": _TIME,
             "completed_at": _TIME,
             "instance": {"type": "string"},
+            "kind": {"type": "string", "enum": ["call", "session"]},
+            "session": {
+                "oneOf": [
+                    {"type": "null"},
+                    {
+                        "type": "object",
+                        "properties": {
+                            "opened_at": _TIME,
+                            "closed_at": _TIME,
+                            "closed_by": {"type": ["string", "null"]},
+                            "close_code": {"type": ["integer", "null"]},
+                            "messages_in": {"type": "integer"},
+                            "messages_out": {"type": "integer"},
+                            "bytes_in": {"type": "integer"},
+                            "bytes_out": {"type": "integer"},
+                        },
+                    },
+                ]
+            },
             "resolution": {
                 "oneOf": [
                     {"type": "null"},
