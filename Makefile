@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The lowest aiohttp pyproject.toml allows: `make test-floor` runs the suite on it, in a venv
 # of its own.
-AIOHTTP_FLOOR := 3.14.3
+AIOHTTP_FLOOR := 3.14.4
 FLOOR_VENV := .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed

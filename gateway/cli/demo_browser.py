@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,8 +137,13 @@ async def _start_chromium(executable: str, profile: Path) -> tuple[subprocess.Po
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.insert(1, "--no-sandbox")  # root has no user namespace for the sandbox
+    # A session of its own: Chromium's helper processes go with it (`_stop_chromium`).
     process = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
 
     def announced() -> str:
@@ -153,8 +159,16 @@ async def _start_chromium(executable: str, profile: Path) -> tuple[subprocess.Po
     try:
         return process, await asyncio.wait_for(asyncio.to_thread(announced), 20)
     except BaseException:
-        process.kill()
+        _stop_chromium(process)
         raise
+
+
+def _stop_chromium(process: subprocess.Popen[bytes]) -> None:
+    """Kill Chromium and every helper process it started, and wait: none may still write to
+    the profile when its folder is removed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
 
 
 def _drain(process: subprocess.Popen[bytes]) -> None:
@@ -291,7 +305,11 @@ async def run_demo(out: Out = print, executable: str | None = None) -> int:
     shop_runner, shop = await _start_shop(clicks)
     proc: asyncio.subprocess.Process | None = None
     chromium: subprocess.Popen[bytes] | None = None
-    with tempfile.TemporaryDirectory(prefix="fence-gateway-demo-") as tmp_name:
+    # A helper Chromium forked may still hold a profile file open for a moment: the folder is
+    # removed as far as it can be, never failing the demo.
+    with tempfile.TemporaryDirectory(
+        prefix="fence-gateway-demo-", ignore_cleanup_errors=True
+    ) as tmp_name:
         tmp = Path(tmp_name)
         log = tmp / "gateway.log"
         try:
@@ -330,8 +348,7 @@ async def run_demo(out: Out = print, executable: str | None = None) -> int:
             if proc is not None:
                 await _stop(proc)
             if chromium is not None:
-                chromium.kill()
-                chromium.wait(timeout=10)
+                _stop_chromium(chromium)
             await shop_runner.cleanup()
     if failed:
         out("\nVerdict: FAILED: " + "; ".join(failed))

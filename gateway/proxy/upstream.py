@@ -327,7 +327,7 @@ def require_no_resend_switch() -> None:
     a session carries: the switch is among them in every release that reads it (3.11 on) and
     in none before.
     """
-    floor = "3.14.3"  # pyproject.toml's aiohttp floor
+    floor = "3.14.4"  # pyproject.toml's aiohttp floor
     session = aiohttp.ClientSession
     known = {*getattr(session, "ATTRS", ()), *getattr(session, "__slots__", ())}
     if "_retry_connection" not in known:
