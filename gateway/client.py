@@ -36,6 +36,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -518,13 +519,21 @@ class Lease:
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Response:
         """A fenced call through the gateway; LeaseLost is raised before anything is sent."""
+        with self._fenced("a fenced call", kwargs) as headers:
+            return await self._client.request(method, path, headers=headers, **kwargs)
+
+    @contextlib.contextmanager
+    def _fenced(self, what: str, kwargs: dict[str, Any]) -> Iterator[dict[str, str]]:
+        """The headers of a fenced call or session: the caller's (taken out of `kwargs`) and
+        this lease's. LeaseLost before anything is sent when the lease is lost, and when the
+        gateway refuses `what` for it, which marks the lease lost."""
         self.check()
         headers = dict(kwargs.pop("headers", None) or {})
         headers.update(fenced_headers(self.resource, self.fence, self.owner))
         try:
-            return await self._client.request(method, path, headers=headers, **kwargs)
+            yield headers
         except LeaseLost as exc:
-            self._lost_reason = f"gateway refused a fenced call: {exc.code}"
+            self._lost_reason = f"gateway refused {what}: {exc.code}"
             self._gone_on_server = True
             raise
 
@@ -547,15 +556,8 @@ class Lease:
         when the gateway refuses the upgrade for it (`stale_fence`, `lease_expired`, ...).
         The gateway closes the socket itself (4409 `stale_fence`, 4408 `lease_expired`) once
         the lease is taken over or ends; use it as `async with await lease.websocket(...)`."""
-        self.check()
-        headers = dict(kwargs.pop("headers", None) or {})
-        headers.update(fenced_headers(self.resource, self.fence, self.owner))
-        try:
+        with self._fenced("a session", kwargs) as headers:
             return await self._client.websocket(path, headers=headers, **kwargs)
-        except LeaseLost as exc:
-            self._lost_reason = f"gateway refused a session: {exc.code}"
-            self._gone_on_server = True
-            raise
 
     async def post(self, path: str, **kwargs: Any) -> Response:
         return await self.request("POST", path, **kwargs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -47,14 +48,24 @@ def free_port() -> int:
 
 
 async def wait_for(
-    predicate: Callable[[], bool], *, timeout: float = 5.0, interval: float = 0.01, what: str = ""
+    predicate: Callable[[], bool | Awaitable[bool]],
+    *,
+    timeout: float = 5.0,
+    interval: float = 0.01,
+    what: str = "",
 ) -> None:
-    """Poll `predicate` until it holds; a bounded loop that fails loudly."""
+    """Poll `predicate` (a plain or a coroutine function) until it holds; a bounded loop that
+    fails loudly."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not await _holds(predicate):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
         await asyncio.sleep(interval)
+
+
+async def _holds(predicate: Callable[[], bool | Awaitable[bool]]) -> bool:
+    result = predicate()
+    return bool(await result) if inspect.isawaitable(result) else bool(result)
 
 
 class FakeClock:

@@ -47,8 +47,7 @@ async def acquire(request: web.Request) -> web.Response:
         resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request), acquire_key=key
     )
     lease = taken.lease
-    if taken.held_seconds is not None:  # took over an expired lease not yet marked expired
-        metrics.held.observe(max(0.0, taken.held_seconds))
+    _held(app, taken.held_seconds)  # took over an expired lease not yet marked expired
     if taken.result == "held":
         metrics.acquisitions.labels("conflict").inc()
         free_at = lease.expires_at + rule.lease.lock_delay_s
@@ -116,8 +115,7 @@ async def release(request: web.Request) -> web.Response:
     released = await request.app[appkeys.STORE].release(resource, owner, fence, _client(request))
     if not released.ok:
         raise errors.LeaseLost(f"this lease on {resource!r} is not the current one")
-    if released.held_seconds is not None:
-        request.app[appkeys.METRICS].held.observe(max(0.0, released.held_seconds))
+    _held(request.app, released.held_seconds)
     return web.Response(status=204)
 
 
@@ -127,8 +125,7 @@ async def revoke(app: web.Application, resource: str, client: str | None) -> Non
     one a rule issues leases for (`lease_rule`)."""
     lease_rule(app, resource)
     released = await app[appkeys.STORE].release(resource, None, None)
-    if released.held_seconds is not None:
-        app[appkeys.METRICS].held.observe(max(0.0, released.held_seconds))
+    _held(app, released.held_seconds)
     logs.event("lease_revoked", resource=resource, client=client, action=released.action)
 
 
@@ -167,12 +164,7 @@ def _resource(request: web.Request) -> tuple[str, ResourceRule]:
 
 def lease_rule(app: web.Application, resource: str) -> ResourceRule:
     """The rule that issues `resource`'s leases; `400`/`403` when it is none."""
-    if not grammar.valid_resource(resource):
-        raise errors.InvalidResource(
-            f"{resource!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "
-            "segments separated by single '/', no '.' or '..' segment"
-        )
-    rule = app[appkeys.POLICIES].lease_rule(resource)
+    rule = app[appkeys.POLICIES].lease_rule(headers.check_resource(resource))
     if rule is None:
         raise errors.ResourceNotAllowed(
             f"no resource rule with a gateway-issued lease covers {resource!r}"
@@ -208,6 +200,13 @@ def _ttl(body: dict[str, Any], rule: ResourceRule) -> float:
             "(this resource's lease.max_ttl_s)"
         )
     return ttl_s
+
+
+def _held(app: web.Application, seconds: float | None) -> None:
+    """fence_gateway_lease_held_seconds, when a lease ended here (released, revoked, or an
+    expired one taken over)."""
+    if seconds is not None:
+        app[appkeys.METRICS].held.observe(max(0.0, seconds))
 
 
 def _client(request: web.Request) -> str | None:

@@ -9,7 +9,7 @@ the contract reconciler authors read. A test checks that every route the app ser
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
 
@@ -18,7 +18,7 @@ from gateway.config.policy import PolicySet
 from gateway.core import errors, grammar
 from gateway.core.errors import BY_CODE
 from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
-from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS
+from gateway.core.receipts import RECEIPT_STATUSES, RESOLUTIONS, Kind
 from gateway.proxy import appkeys
 
 routes = web.RouteTableDef()
@@ -139,7 +139,7 @@ _SCHEMAS: dict[str, Any] = {
             "resource": {"type": "string"},
             "owner": {"type": "string"},
             "fence": {"type": "integer", "minimum": 1},
-            "state": {"type": "string", "enum": ["held", "expired", "released"]},
+            "state": {"type": "string", "enum": list(LEASE_STATES)},
             "acquired_at": _TIME,
             "renewed_at": _TIME,
             "expires_at": _TIME,
@@ -171,7 +171,7 @@ _SCHEMAS: dict[str, Any] = {
             "forwarded_at": _TIME,
             "completed_at": _TIME,
             "instance": {"type": "string"},
-            "kind": {"type": "string", "enum": ["call", "session"]},
+            "kind": {"type": "string", "enum": list(get_args(Kind))},
             "session": {
                 "oneOf": [
                     {"type": "null"},
@@ -214,7 +214,7 @@ def _page_of(name: str) -> dict[str, Any]:
         "type": "object",
         "required": ["items", "next_cursor"],
         "properties": {
-            "items": {"type": "array", "items": {"$ref": f"#/components/schemas/{name}"}},
+            "items": {"type": "array", "items": _ref(name)},
             "next_cursor": {"type": ["string", "null"]},
         },
     }
@@ -342,7 +342,7 @@ def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
                     _query("status", {"type": "string", "enum": list(RECEIPT_STATUSES)}),
                     _query("idempotency_key", {"type": "string"}),
                     *(
-                        _query(n, {"type": "integer", "minimum": 0, "maximum": params.MAX_INTEGER})
+                        _query(n, {"type": "integer", "minimum": 0, "maximum": grammar.MAX_FENCE})
                         for n in ("fence_min", "fence_max")
                     ),
                     _query("since", {"type": "string", "format": "date-time"}, "inclusive"),
@@ -433,17 +433,27 @@ async def openapi(request: web.Request) -> web.Response:
 def allowed_methods(path: str) -> list[str] | None:
     """The methods the document gives a concrete /_gateway/v1 path, HEAD with GET; None when
     it describes no such path."""
-    for template, item in _paths({}).items():
-        # {resource} keeps its slashes, other parameters are one segment (as routed)
-        pattern = re.sub(r"\\\{(\w+)\\\}", _parameter_pattern, re.escape(template))
-        if re.fullmatch(pattern, path):
-            methods = sorted(m.upper() for m in item if m != "parameters")
-            return sorted({*methods, "HEAD"}) if "GET" in methods else methods
+    for pattern, methods in _ALLOWED:
+        if pattern.fullmatch(path):
+            return list(methods)
     return None
 
 
 def _parameter_pattern(match: re.Match[str]) -> str:
     return ".+" if match.group(1) == "resource" else "[^/]+"
+
+
+def _allowed(item: dict[str, Any]) -> list[str]:
+    methods = sorted(m.upper() for m in item if m != "parameters")
+    return sorted({*methods, "HEAD"}) if "GET" in methods else methods
+
+
+# Each path of the document as a pattern, with its methods: worked out once, not per refusal.
+# {resource} keeps its slashes, other parameters are one segment (as routed).
+_ALLOWED = [
+    (re.compile(re.sub(r"\\\{(\w+)\\\}", _parameter_pattern, re.escape(template))), _allowed(item))
+    for template, item in _paths({}).items()
+]
 
 
 # Registered after every /_gateway/v1 route (its module's routes are added last): a method the

@@ -12,11 +12,11 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import errors
+from gateway.core.grammar import MAX_FENCE
 from gateway.core.times import parse_rfc3339
 from gateway.proxy import appkeys
 
 MAX_LIMIT = 1000
-MAX_INTEGER = 2**63 - 1  # what the store can hold; fences never exceed it
 _WHOLE_DIGITS = 30  # a whole number beyond 10**30 is out of every range: left a float
 
 
@@ -44,8 +44,8 @@ def integer(params: dict[str, str], name: str) -> int | None:
     value = params.get(name)
     if value is None:
         return None
-    if not value.isascii() or not value.isdigit() or int(value) > MAX_INTEGER:
-        raise errors.InvalidRequest(f"{name} {value!r}: a whole number from 0 to {MAX_INTEGER}")
+    if not value.isascii() or not value.isdigit() or int(value) > MAX_FENCE:
+        raise errors.InvalidRequest(f"{name} {value!r}: a whole number from 0 to {MAX_FENCE}")
     return int(value)
 
 
@@ -118,11 +118,9 @@ async def json_body(
         if name not in fields:
             raise errors.InvalidRequest(f"unknown field {name!r}; known: {sorted(fields)}")
         accepted = fields[name]
-        if isinstance(value, bool) and bool not in (
-            accepted if isinstance(accepted, tuple) else (accepted,)
-        ):
-            raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")
-        if not isinstance(value, accepted):
+        types = accepted if isinstance(accepted, tuple) else (accepted,)
+        # a JSON true is no number, though Python's bool is an int
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise errors.InvalidRequest(f"{name}: {value!r} has the wrong type")
     for name in required:
         if name not in body:

@@ -14,14 +14,8 @@ throwaway SQLite database and policy, so the demo exercises exactly what `serve`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import socket
-import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +23,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.cli.demo_gateway import DemoFailed, DemoGateway, Out, Timeline, serve_locally, short
 from gateway.client import GatewayClient, GatewayError, LeaseHeld, LeaseLost, fenced_headers
 
 RESOURCE = "chat/room-1"
 TTL_S = 2
 MESSAGE_PATH = "/messages/rooms/room-1/messages"
 MESSAGE = {"text": "Deploy of v42 finished, rollback plan attached."}
-READY_TIMEOUT_S = 10.0
 RUN_TIMEOUT_S = 25.0  # a bound on the whole run, should a call hang
 POLICY = """\
 upstreams:
@@ -49,12 +43,6 @@ resources:
     lease: {{issuer: gateway, ttl_s: {ttl}, max_ttl_s: 60}}
 """
 
-Out = Callable[[str], Any]
-
-
-class DemoFailed(Exception):
-    """The demo could not be staged (gateway did not start); the message says why."""
-
 
 @dataclass(frozen=True, slots=True)
 class Delivered:
@@ -63,16 +51,6 @@ class Delivered:
     fence: str | None
     idempotency_key: str | None
     text: str
-
-
-class Timeline:
-    """Prints lines stamped with the time since the race began."""
-
-    def __init__(self, out: Out) -> None:
-        self._out, self._start = out, time.monotonic()
-
-    def __call__(self, who: str, what: str) -> None:
-        self._out(f"  t+{time.monotonic() - self._start:5.2f}s  {who:<2} {what}")
 
 
 async def _start_messaging_api(received: list[Delivered]) -> tuple[web.AppRunner, str]:
@@ -91,53 +69,7 @@ async def _start_messaging_api(received: list[Delivered]) -> tuple[web.AppRunner
 
     app = web.Application()
     app.router.add_post("/rooms/{room}/messages", post_message)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _gateway_env(tmp: Path, port: int, policy: Path) -> dict[str, str]:
-    """The caller's environment without its GATEWAY_* settings (a clients file, a database
-    URL), plus the demo's own; the package's folder goes first on PYTHONPATH so an
-    uninstalled checkout works too."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.update(
-        GATEWAY_HOST="127.0.0.1",
-        GATEWAY_PORT=str(port),
-        GATEWAY_DATABASE_URL=f"sqlite:///{tmp / 'demo.db'}",
-        GATEWAY_POLICIES=str(policy),
-        GATEWAY_SWEEP_INTERVAL_S="0.2",
-        GATEWAY_LOG_LEVEL="WARNING",
-    )
-    return env
-
-
-async def _wait_ready(
-    session: aiohttp.ClientSession, base: str, proc: asyncio.subprocess.Process
-) -> None:
-    give_up = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < give_up:
-        if proc.returncode is not None:
-            raise DemoFailed(f"the gateway exited with status {proc.returncode}")
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(
-                f"{base}/_gateway/readyz", timeout=aiohttp.ClientTimeout(total=1)
-            ) as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise DemoFailed(f"the gateway was not ready within {READY_TIMEOUT_S:g} s")
+    return await serve_locally(app)
 
 
 async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
@@ -163,7 +95,7 @@ async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
             say(
                 "B",
                 f"sends the message with fence {b.fence}: {sent.status}, "
-                f"receipt {_short(sent.receipt_id or '-')}",
+                f"receipt {short(sent.receipt_id or '-')}",
             )
             say(
                 "A",
@@ -198,10 +130,6 @@ async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
     return told
 
 
-def _short(receipt_id: str) -> str:
-    return "…" + receipt_id[-8:] if len(receipt_id) > 9 else receipt_id
-
-
 async def _evidence(
     gw: GatewayClient, received: list[Delivered], told: dict[str, str], out: Out
 ) -> list[str]:
@@ -217,7 +145,7 @@ async def _evidence(
     for r in receipts:
         out(
             row.format(
-                _short(str(r["id"])),
+                short(str(r["id"])),
                 r["fence"],
                 str(r["owner"]),
                 r["status"],
@@ -248,61 +176,24 @@ async def _evidence(
     return [name for name, ok in checks.items() if not ok]
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
-def _log_tail(log: Path, lines: int = 20) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
 async def run_demo(out: Out = print) -> int:
     """Play the race against a fresh gateway; 0 when the evidence matches, 1 otherwise."""
     received: list[Delivered] = []
     runner, upstream_url = await _start_messaging_api(received)
-    proc: asyncio.subprocess.Process | None = None
     with tempfile.TemporaryDirectory(prefix="fence-gateway-demo-") as tmp_name:
-        tmp = Path(tmp_name)
-        log = tmp / "gateway.log"
+        gateway = DemoGateway(Path(tmp_name))
         try:
-            policy = tmp / "policy.yaml"
-            policy.write_text(POLICY.format(url=upstream_url, ttl=TTL_S))
-            port = _free_port()
-            with log.open("wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "gateway",
-                    "serve",
-                    cwd=tmp,
-                    env=_gateway_env(tmp, port, policy),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=log_file,
-                )
-            base = f"http://127.0.0.1:{port}"
+            base = await gateway.start(POLICY.format(url=upstream_url, ttl=TTL_S))
             out(f"fence-gateway demo: gateway on {base}, messaging API on {upstream_url}")
             async with GatewayClient(base) as gw, asyncio.timeout(RUN_TIMEOUT_S):
-                await _wait_ready(gw.session, base, proc)
+                await gateway.wait_ready(gw.session)
                 out(f"\nThe race over {RESOURCE}:")
                 told = await _race(gw, Timeline(out))
                 failed = await _evidence(gw, received, told, out)
         except (DemoFailed, GatewayError, aiohttp.ClientError, TimeoutError) as exc:
-            out(f"\ndemo failed: {exc}")
-            if tail := _log_tail(log):
-                out(f"gateway log (last lines):\n{tail}")
-            return 1
+            return gateway.failed(exc, out)
         finally:
-            if proc is not None:
-                await _stop(proc)
+            await gateway.stop()
             await runner.cleanup()
     if failed:
         out("\nVerdict: FAILED: " + "; ".join(failed))

@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -32,17 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.cli.demo import (
-    DemoFailed,
-    Out,
-    Timeline,
-    _free_port,
-    _gateway_env,
-    _log_tail,
-    _short,
-    _stop,
-    _wait_ready,
-)
+from gateway.cli.demo_gateway import DemoFailed, DemoGateway, Out, Timeline, serve_locally, short
 from gateway.client import GatewayClient, GatewayError, Lease
 
 RESOURCE = "chromium/shop"
@@ -191,11 +180,8 @@ async def _start_shop(clicks: list[str]) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/shop", page)
     app.router.add_post("/click", click)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/shop"
+    runner, base = await serve_locally(app)
+    return runner, f"{base}/shop"
 
 
 async def _connect(gw: GatewayClient, lease: Lease) -> Cdp:
@@ -272,7 +258,7 @@ async def _evidence(gw: GatewayClient, clicks: list[str], told: str, out: Out) -
         s = r["session"] or {}
         out(
             row.format(
-                _short(str(r["id"])),
+                short(str(r["id"])),
                 r["fence"],
                 str(r["owner"]),
                 r["status"],
@@ -303,7 +289,6 @@ async def run_demo(out: Out = print, executable: str | None = None) -> int:
         return EXIT_NO_BROWSER
     clicks: list[str] = []
     shop_runner, shop = await _start_shop(clicks)
-    proc: asyncio.subprocess.Process | None = None
     chromium: subprocess.Popen[bytes] | None = None
     # A helper Chromium forked may still hold a profile file open for a moment: the folder is
     # removed as far as it can be, never failing the demo.
@@ -311,42 +296,21 @@ async def run_demo(out: Out = print, executable: str | None = None) -> int:
         prefix="fence-gateway-demo-", ignore_cleanup_errors=True
     ) as tmp_name:
         tmp = Path(tmp_name)
-        log = tmp / "gateway.log"
+        gateway = DemoGateway(tmp)
         try:
             chromium, endpoint = await _start_chromium(executable, tmp / "profile")
-            policy = tmp / "policy.yaml"
-            policy.write_text(POLICY.format(url=endpoint, ttl=TTL_S))
-            port = _free_port()
-            env = _gateway_env(tmp, port, policy)
             # a long sweep: B's admission is what cuts A's session, not the lease watch
-            env["GATEWAY_SWEEP_INTERVAL_S"] = "5"
-            with log.open("wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "gateway",
-                    "serve",
-                    cwd=tmp,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=log_file,
-                )
-            base = f"http://127.0.0.1:{port}"
+            base = await gateway.start(POLICY.format(url=endpoint, ttl=TTL_S), sweep_interval_s=5)
             out(f"fence-gateway demo --browser: gateway on {base}, Chromium behind it at /chromium")
             async with GatewayClient(base) as gw, asyncio.timeout(RUN_TIMEOUT_S):
-                await _wait_ready(gw.session, base, proc)
+                await gateway.wait_ready(gw.session)
                 out(f"\nThe race over {RESOURCE} (the shop page is {shop}):")
                 told = await _race(gw, shop, clicks, Timeline(out))
                 failed = await _evidence(gw, clicks, told, out)
         except (DemoFailed, GatewayError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            out(f"\ndemo failed: {exc}")
-            if tail := _log_tail(log):
-                out(f"gateway log (last lines):\n{tail}")
-            return 1
+            return gateway.failed(exc, out)
         finally:
-            if proc is not None:
-                await _stop(proc)
+            await gateway.stop()
             if chromium is not None:
                 _stop_chromium(chromium)
             await shop_runner.cleanup()

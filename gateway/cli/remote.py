@@ -22,9 +22,10 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
+
+from gateway.core.times import parse_rfc3339
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 API = "/_gateway/v1"
@@ -70,13 +71,11 @@ def _fence(value: str) -> int:
 
 def _moment(value: str) -> str:
     try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+        parse_rfc3339(value)
     except ValueError:
-        moment = None
-    if moment is None or moment.tzinfo is None:
         raise argparse.ArgumentTypeError(
             f"{value!r}: an RFC 3339 time with a zone, e.g. 2026-08-29T05:07:00.000Z"
-        )
+        ) from None
     return value
 
 

@@ -61,14 +61,15 @@ class Clients:
         if len(values) != 1:
             raise errors.Unauthenticated("send exactly one 'Bearer <key>' credential")
         scheme, _, key = values[0].partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
             raise errors.Unauthenticated("the credential must be 'Bearer <key>'")
         # surrogateescape: header bytes that are not UTF-8 hash, and simply match no client
-        digest = hashlib.sha256(key.strip().encode("utf-8", "surrogateescape")).hexdigest()
-        digest_bytes = digest.encode()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         found = None
         for client in self._clients:  # no early exit: the time taken says nothing
-            if hmac.compare_digest(digest_bytes, client.key_sha256.encode()):
+            # both are hex text: compared as they are, constant time, nothing encoded per call
+            if hmac.compare_digest(digest, client.key_sha256):
                 found = client
         if found is None:
             raise errors.Unauthenticated("the key names no client")

@@ -7,6 +7,7 @@ never on the first request.
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from typing import Literal
 from urllib.parse import quote, urlsplit
 
@@ -150,9 +151,10 @@ class Upstream(_Model):
                 )
         return value
 
-    @property
+    @cached_property
     def authority(self) -> str:
-        """`host[:port]` as written in `url`: the Host header the tool receives."""
+        """`host[:port]` as written in `url`: the Host header the tool receives, on every
+        call. Worked out once: the model is frozen."""
         return urlsplit(self.url).netloc.rpartition("@")[2]  # `_url` refuses userinfo anyway
 
 

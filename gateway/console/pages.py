@@ -15,7 +15,7 @@ from gateway.console.guard import Visit
 from gateway.console.render import STATIC
 from gateway.core import errors, grammar
 from gateway.core.leases import LEASE_STATES, Lease
-from gateway.proxy import appkeys
+from gateway.proxy import appkeys, headers
 from gateway.store.base import Receipt
 from gateway.upkeep import reconcile
 
@@ -171,12 +171,7 @@ def _lease_row(visit: Visit, lease: Lease, now: float) -> LeaseRow:
 async def resource(visit: Visit) -> web.Response:
     query = _query(visit, ("window",))
     window, span = tallies.window(query.get("window"))
-    key = visit.request.match_info["resource"]
-    if not grammar.valid_resource(key):
-        raise errors.InvalidResource(
-            f"{key!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, segments "
-            "separated by single '/', no '.' or '..' segment"
-        )
+    key = headers.check_resource(visit.request.match_info["resource"])
     app = visit.app
     store = app[appkeys.STORE]
     now = time.time()

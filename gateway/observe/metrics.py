@@ -4,6 +4,8 @@ No label ever carries a raw resource key."""
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
@@ -94,7 +96,6 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-
         self.sessions_open = Gauge(
             "fence_gateway_sessions_open",
             "Sessions (fenced WebSockets) open now",
@@ -107,6 +108,12 @@ class Metrics:
             ["upstream", "closed_by"],
             registry=registry,
         )
+
+        # What every proxied call counts with, by label values: the child is made on first
+        # use, then found by a dict lookup (`labels()` checks its values and takes a lock).
+        self.requests_of = functools.cache(self.requests.labels)
+        self.rejections_of = functools.cache(self.rejections.labels)
+        self.upstream_of = functools.cache(self.upstream.labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

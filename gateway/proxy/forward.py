@@ -29,7 +29,7 @@ from gateway.proxy import appkeys, headers
 from gateway.proxy.flow import Flow
 from gateway.proxy.ordering import Place, clear_to_forward
 from gateway.proxy.relay import Head, admitted_headers, read_head, upstream_headers
-from gateway.proxy.upstream import UpstreamFailure
+from gateway.proxy.upstream import LAPSED, UpstreamFailure
 from gateway.store.base import Admitted, Call, Refused, Replayed
 
 # Client headers never passed on for a fenced call: the gateway sets its own key header.
@@ -45,11 +45,7 @@ _BLOCKED = {
         errors.StoreUnavailable,
         "the store failed before the call could be sent; it was not sent",
     ),
-    "instance_lapsed": (
-        errors.StoreUnavailable,
-        "this gateway process lost its heartbeat with the store, so peers may already be "
-        "recovering its calls; the call was not sent",
-    ),
+    "instance_lapsed": (errors.StoreUnavailable, LAPSED),
 }
 
 
@@ -127,8 +123,9 @@ async def forward(
     try:
         failpoints.crash_at("after_admit")
         blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
-        # The last check before the bytes leave, with no wait after it (docs/contract.md §14,
-        # "A replica fences itself"): a process paused past its heartbeat sends nothing.
+        # A process paused past its heartbeat sends nothing (docs/contract.md §14, "A replica
+        # fences itself"): asked here, before a connection is taken, and once more when one is
+        # in hand (`may_send`), the last moment before the bytes leave.
         if blocked is None and not store.may_forward(admitted.instance):
             blocked = "instance_lapsed"
         if blocked is not None:
@@ -160,7 +157,7 @@ async def forward(
                 may_send=lambda: store.may_forward(admitted.instance),
             )
         except UpstreamFailure as failure:
-            metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
             if outcome.status == "outcome_unknown":
@@ -171,7 +168,7 @@ async def forward(
             return
         async with answer:
             head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
-            metrics.upstream.labels(upstream.name).observe(time.time() - forwarded_at)
+            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
             outcome = head.outcome(forwarded_at)
             flow.status = head.status

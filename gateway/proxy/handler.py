@@ -34,7 +34,8 @@ _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    found = route(request, request.app[appkeys.POLICIES])
+    policies = request.app[appkeys.POLICIES]
+    found = route(request, policies)
     flow = Flow(
         request[appkeys.REQUEST_ID],
         upstream=found.upstream,
@@ -45,7 +46,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     request[appkeys.FLOW] = flow
     if found.websocket:
         return await sessions.handle(request, flow, found.upstream)
-    if request.method in request.app[appkeys.POLICIES].fenced_methods[found.upstream.name]:
+    if request.method in policies.fenced_methods[found.upstream.name]:
         return await _fenced(request, flow, found.upstream)
     return await _plain(request, flow, found.upstream)
 
@@ -92,12 +93,7 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
         if isinstance(result, Replayed):
             return await _replay(request, flow, call, key, result)
         flow.admitted = result
-        answer_headers = {
-            headers.RECEIPT_HEADER: result.receipt_id,
-            headers.REQUEST_ID_HEADER: flow.request_id,
-            headers.IDEMPOTENCY_HEADER: key,
-            headers.FENCE_HEADER: str(call.fence),
-        }
+        answer_headers = _answer_headers(result.receipt_id, flow, key, call)
         async with forward(app, flow, place, _body_or_none(request, body), request) as exchange:
             if not exchange.recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
@@ -180,17 +176,22 @@ async def _replay(
         request,
         _discovery_rewritten(request, flow, flow.upstream, head),
         None,
-        {
-            "Idempotent-Replayed": "true",
-            headers.RECEIPT_HEADER: replayed.receipt_id,
-            headers.REQUEST_ID_HEADER: flow.request_id,
-            headers.IDEMPOTENCY_HEADER: key,
-            headers.FENCE_HEADER: str(call.fence),
-        },
+        {"Idempotent-Replayed": "true", **_answer_headers(replayed.receipt_id, flow, key, call)},
         # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
         deadline=asyncio.get_running_loop().time() + request.app[appkeys.SETTINGS].body_timeout_s,
     )
     return response
+
+
+def _answer_headers(receipt_id: str, flow: Flow, key: str, call: Call) -> dict[str, str]:
+    """What the client is told about its admitted call, answered or replayed
+    (docs/contract.md §3, "Answered to the client")."""
+    return {
+        headers.RECEIPT_HEADER: receipt_id,
+        headers.REQUEST_ID_HEADER: flow.request_id,
+        headers.IDEMPOTENCY_HEADER: key,
+        headers.FENCE_HEADER: str(call.fence),
+    }
 
 
 def _discovery_rewritten(

@@ -76,6 +76,12 @@ def parse_resource(headers: CIMultiDictProxy[str]) -> str:
     value = single(headers, RESOURCE_HEADER, errors.InvalidResource)
     if value is None:
         raise errors.MissingResource(f"{RESOURCE_HEADER} is required on a fenced call")
+    return check_resource(value)
+
+
+def check_resource(value: str) -> str:
+    """`value` when it is a resource key, else `400 invalid_resource`: the header's check, and
+    the lease API's and the console's for a resource in their paths."""
     if not valid_resource(value):
         raise errors.InvalidResource(
             f"{value!r} is not a resource: 1 to 256 of A-Z a-z 0-9 . _ - : @ /, "

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from gateway.config.policy import PolicySet, Upstream
 from gateway.core import errors
+from gateway.proxy.headers import connection_named
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +52,9 @@ def _is_websocket_upgrade(request: web.Request) -> bool:
     """`GET` with `Upgrade: websocket` (one value) and `Connection: upgrade` (docs/contract.md
     §2, §15); the handshake's own headers are checked when it is answered."""
     upgrades = request.headers.getall("Upgrade", [])
-    connection = {
-        token.strip().lower()
-        for value in request.headers.getall("Connection", [])
-        for token in value.split(",")
-    }
     return (
         request.method == "GET"
         and len(upgrades) == 1
         and upgrades[0].strip().lower() == "websocket"
-        and "upgrade" in connection
+        and "upgrade" in connection_named(request.headers)
     )

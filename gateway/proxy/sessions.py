@@ -72,8 +72,25 @@ _SESSION_DROP = frozenset(
         "Sec-WebSocket-Accept",
     )
 )
-_DATA = (WSMsgType.TEXT, WSMsgType.BINARY)
+_DATA = frozenset({WSMsgType.TEXT, WSMsgType.BINARY})  # counted in the receipt
+_RELAYED = _DATA | {WSMsgType.PING, WSMsgType.PONG}
 _CLOSE_REASON_MAX = 123  # bytes: a close frame's payload is at most 125, with its code
+
+_Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse[Any]
+
+
+class Tally:
+    """What one direction of a session relayed: its text and binary messages, and their
+    payload bytes."""
+
+    __slots__ = ("bytes", "messages")
+
+    def __init__(self) -> None:
+        self.messages = self.bytes = 0
+
+    def add(self, size: int) -> None:
+        self.messages += 1
+        self.bytes += size
 
 
 class Session:
@@ -88,8 +105,9 @@ class Session:
         self.ending: Ending | None = None
         self.ended = asyncio.Event()
         self.finished = asyncio.Event()  # the handler is done, its receipt completed
-        self.last_activity = asyncio.get_running_loop().time()
-        self.messages_in = self.messages_out = self.bytes_in = self.bytes_out = 0
+        self._clock = asyncio.get_running_loop().time
+        self.last_activity = self._clock()
+        self.inward, self.outward = Tally(), Tally()  # from the client to the upstream; back
 
     @property
     def relaying(self) -> bool:
@@ -109,37 +127,37 @@ class Session:
         self.end(ended_by_gateway("error", "instance_lapsed"))
 
     def touch(self) -> None:
-        self.last_activity = asyncio.get_running_loop().time()
+        self.last_activity = self._clock()
 
 
 class OpenSessions:
     """The sessions open in this process."""
 
     def __init__(self) -> None:
-        self._open: dict[int, Session] = {}
+        self._open: set[Session] = set()
         self.closing = False  # shutting down: a session admitted now is not opened
 
     def __len__(self) -> int:
         return len(self._open)
 
     def add(self, session: Session) -> None:
-        self._open[id(session)] = session
+        self._open.add(session)
         if self.closing:
             session.cut("shutdown")
 
     def discard(self, session: Session) -> None:
-        self._open.pop(id(session), None)
+        self._open.discard(session)
 
     def by_resource(self) -> dict[str, list[Session]]:
         grouped: dict[str, list[Session]] = {}
-        for session in self._open.values():
+        for session in self._open:
             grouped.setdefault(session.resource, []).append(session)
         return grouped
 
     async def end_all(self, closed_by: ClosedBy, timeout_s: float) -> None:
         """End every open session and wait, up to `timeout_s`, for their receipts."""
         self.closing = True
-        sessions = list(self._open.values())
+        sessions = list(self._open)
         for session in sessions:
             session.cut(closed_by)
         if sessions:
@@ -256,15 +274,12 @@ async def _open(
     blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
     if blocked is None and not store.may_forward(admitted.instance):
         blocked = "instance_lapsed"
-    if blocked is not None or session.ending is not None:
-        # not sent: the way was not clear, or the session was cut before it opened
-        reason = blocked or (session.ending.reason if session.ending else "")
-        await record(app, receipt_id, Outcome("not_sent", error=reason))
-        error = (
-            blocked_error(blocked, call.resource, rule.queue_timeout_s)
-            if blocked is not None
-            else _cut_error(session.ending)
-        )
+    if blocked is not None:  # not sent: the way was not clear
+        error = blocked_error(blocked, call.resource, rule.queue_timeout_s)
+    elif session.ending is not None:  # not sent: the session was cut before it opened
+        blocked, error = session.ending.reason, _cut_error(session.ending)
+    if blocked is not None:
+        await record(app, receipt_id, Outcome("not_sent", error=blocked))
         error.headers.update(answer_headers)
         raise error
 
@@ -338,13 +353,11 @@ async def _open(
     gauge.inc()
     outward: asyncio.Task[None] | None = None
     try:
-        ending, outward = await _relay(
-            session, client_ws, upstream_ws, store, admitted.instance, upstream
-        )
+        ending, outward = await _relay(session, client_ws, upstream_ws, store, upstream)
         await _close_upstream(upstream_ws, ending)
         place.leave()  # the upstream side is closed: a newer call or session may go now
         await asyncio.gather(
-            _close_client(request, client_ws, ending),
+            _close(client_ws, ending.to_client, ending, request.transport),
             _finish(app, flow, session, opened, ending, forwarded_at),
         )
     finally:
@@ -360,16 +373,15 @@ async def _relay(
     client_ws: web.WebSocketResponse,
     upstream_ws: aiohttp.ClientWebSocketResponse[Any],
     store: Store,
-    instance: str,
     upstream: Upstream,
 ) -> tuple[Ending, asyncio.Task[None]]:
     """Relay both ways until the session ends; from then on no message moves. The task that
     reads the upstream is handed back still running: cancelling a read of aiohttp's client
     WebSocket marks it broken, and its close would then not wait for the upstream's reply.
     Closing it ends that read instead."""
-    outward = asyncio.create_task(_pump_out(session, client_ws, upstream_ws, store, instance))
+    outward = asyncio.create_task(_pump(session, upstream_ws, client_ws, store, inward=False))
     tasks = [
-        asyncio.create_task(_pump_in(session, client_ws, upstream_ws, store, instance)),
+        asyncio.create_task(_pump(session, client_ws, upstream_ws, store, inward=True)),
         asyncio.create_task(_idle(session, upstream.session_idle_timeout_s)),
     ]
     try:
@@ -385,19 +397,24 @@ async def _relay(
     return session.ending, outward
 
 
-async def _pump_in(
-    session: Session,
-    client_ws: web.WebSocketResponse,
-    upstream_ws: aiohttp.ClientWebSocketResponse[Any],
-    store: Store,
-    instance: str,
+async def _pump(
+    session: Session, source: _Socket, sink: _Socket, store: Store, *, inward: bool
 ) -> None:
-    """Client → upstream. Every message is checked, right before it is sent, against a cut
-    and against this process's right to forward (docs/contract.md §14, self-fencing)."""
+    """One direction, `inward` from the client to the upstream, else back. Every message is
+    checked, right before it is sent, against a cut and against this process's right to
+    forward (docs/contract.md §14, self-fencing). Data either way counts as activity, and so
+    do the client's pings and pongs, never the upstream's."""
+    # fixed for the session, not looked up per message
+    source_end, sink_end = (
+        (closed_by_client, closed_by_upstream) if inward else (closed_by_upstream, closed_by_client)
+    )
+    activity = _RELAYED if inward else _DATA
+    tally = session.inward if inward else session.outward
+    instance = session.instance
     while True:
-        message = await client_ws.receive()
+        message = await source.receive()
         kind = message.type
-        if kind in _DATA or kind in (WSMsgType.PING, WSMsgType.PONG):
+        if kind in _RELAYED:
             if not session.relaying:
                 return
             if not store.may_forward(instance):
@@ -405,71 +422,27 @@ async def _pump_in(
                 return
             if _too_large(session, message.data):
                 return
-            session.touch()  # the client's data and pings count as activity
-            try:
-                await _send(upstream_ws, kind, message.data)
-            except (ConnectionError, aiohttp.ClientError, RuntimeError):
-                session.end(closed_by_upstream(None))
-                return
-            if kind in _DATA:
-                session.messages_in += 1
-                session.bytes_in += len(message.data)
-        elif kind is WSMsgType.CLOSE:
-            session.end(closed_by_client(message.data, message.extra or ""))
-            return
-        elif kind is WSMsgType.ERROR:
-            session.end(_error_ending(message.data, closed_by_client))
-            return
-        else:  # CLOSING, CLOSED: the connection went away
-            session.end(closed_by_client(None))
-            return
-
-
-async def _pump_out(
-    session: Session,
-    client_ws: web.WebSocketResponse,
-    upstream_ws: aiohttp.ClientWebSocketResponse[Any],
-    store: Store,
-    instance: str,
-) -> None:
-    """Upstream → client, under the same checks."""
-    while True:
-        message = await upstream_ws.receive()
-        kind = message.type
-        if kind in _DATA or kind in (WSMsgType.PING, WSMsgType.PONG):
-            if not session.relaying:
-                return
-            if not store.may_forward(instance):
-                session.lapse()
-                return
-            if _too_large(session, message.data):
-                return
-            if kind in _DATA:
+            if kind in activity:
                 session.touch()
             try:
-                await _send(client_ws, kind, message.data)
-            except (ConnectionError, RuntimeError):
-                session.end(closed_by_client(None))
+                await _send(sink, kind, message.data)
+            except (ConnectionError, aiohttp.ClientError, RuntimeError):
+                session.end(sink_end(None))
                 return
             if kind in _DATA:
-                session.messages_out += 1
-                session.bytes_out += len(message.data)
+                tally.add(len(message.data))
         elif kind is WSMsgType.CLOSE:
-            session.end(closed_by_upstream(message.data, message.extra or ""))
+            session.end(source_end(message.data, message.extra or ""))
             return
         elif kind is WSMsgType.ERROR:
-            session.end(_error_ending(message.data, closed_by_upstream))
+            session.end(_error_ending(message.data, source_end))
             return
-        else:
-            session.end(closed_by_upstream(None))
+        else:  # CLOSING, CLOSED: the connection went away
+            session.end(source_end(None))
             return
 
 
-async def _send(
-    ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse[Any],
-    kind: WSMsgType,
-    data: bytes,
-) -> None:
+async def _send(ws: _Socket, kind: WSMsgType, data: bytes) -> None:
     """One frame as it came: a text message's payload is passed on as bytes, never decoded
     and encoded again. Awaited: a slow reader slows the relay (backpressure)."""
     if kind is WSMsgType.PING:
@@ -515,25 +488,19 @@ async def _idle(session: Session, idle_s: float) -> None:
 async def _close_upstream(
     upstream_ws: aiohttp.ClientWebSocketResponse[Any], ending: Ending
 ) -> None:
-    """Send the close frame, wait at most `CLOSE_WAIT_S` for the upstream's, then abort the
-    TCP connection (docs/contract.md §15)."""
-    transport = _transport_of(upstream_ws)
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(CLOSE_WAIT_S + 0.25):
-            await upstream_ws.close(code=ending.to_upstream, message=_reason(ending))
-    if upstream_ws.close_code in (None, ABNORMAL) and transport is not None:
-        transport.abort()
+    await _close(upstream_ws, ending.to_upstream, ending, _transport_of(upstream_ws))
 
 
-async def _close_client(
-    request: web.Request, client_ws: web.WebSocketResponse, ending: Ending
+async def _close(
+    ws: _Socket, code: int, ending: Ending, transport: asyncio.Transport | None
 ) -> None:
-    """The same toward the client."""
+    """Send the close frame, wait at most `CLOSE_WAIT_S` for the other side's, then abort the
+    TCP connection (docs/contract.md §15)."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(CLOSE_WAIT_S + 0.25):
-            await client_ws.close(code=ending.to_client, message=_reason(ending))
-    if client_ws.close_code in (None, ABNORMAL) and request.transport is not None:
-        request.transport.abort()
+            await ws.close(code=code, message=_reason(ending))
+    if ws.close_code in (None, ABNORMAL) and transport is not None:
+        transport.abort()
 
 
 async def _finish(
@@ -548,30 +515,25 @@ async def _finish(
     fields to the log line of the call."""
     closed = SessionRecord(
         opened_at=opened.opened_at,
-        messages_in=session.messages_in,
-        messages_out=session.messages_out,
-        bytes_in=session.bytes_in,
-        bytes_out=session.bytes_out,
+        messages_in=session.inward.messages,
+        messages_out=session.outward.messages,
+        bytes_in=session.inward.bytes,
+        bytes_out=session.outward.bytes,
     ).closed(ending, time.time())
     assert session.receipt_id is not None
     outcome = Outcome("succeeded", http_status=101, forwarded_at=forwarded_at, session=closed)
     await record(app, session.receipt_id, outcome)
     app[appkeys.METRICS].sessions.labels(session.upstream, ending.closed_by).inc()
     flow.session = {
-        "closed_by": ending.closed_by,
-        "close_code": ending.close_code,
-        "messages_in": closed.messages_in,
-        "messages_out": closed.messages_out,
-        "bytes_in": closed.bytes_in,
-        "bytes_out": closed.bytes_out,
+        k: v for k, v in closed.to_json().items() if k not in ("opened_at", "closed_at")
     }
 
 
-def _cut_error(ending: Ending | None) -> errors.GatewayError:
+def _cut_error(ending: Ending) -> errors.GatewayError:
     """What a client whose session was cut before its upgrade was answered is told."""
-    if ending is not None and ending.closed_by == "lease_ended":
+    if ending.closed_by == "lease_ended":
         return errors.LeaseExpired("the lease ended before the session opened")
-    if ending is not None and ending.closed_by != "fenced":
+    if ending.closed_by != "fenced":
         return errors.ResourceBusy("the gateway is shutting down", retry_after=1)
     return errors.StaleFence("a newer fence was admitted before the session opened")
 

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import aiohttp
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -55,13 +57,24 @@ class _Withdrawn(Exception):
     """The last check before the bytes leave said no (`Upstreams.send`'s `may_send`)."""
 
 
-async def _on_connection(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
-    """A connection is in hand and nothing is written yet: the last moment to check that
-    this process may still send (docs/contract.md §14, "A replica fences itself"). Raising
-    here hands the connection back unused."""
-    if not ctx.trace_request_ctx.may_send():
-        raise _Withdrawn
-    ctx.trace_request_ctx.connected = True
+# What the caller of a call this process may no longer send is told (`instance_lapsed`).
+LAPSED = (
+    "this gateway process lost its heartbeat with the store, so peers may already be "
+    "recovering its calls; the call was not sent"
+)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One call on its way to the tool (`Upstreams.send`), as its connector sees it."""
+
+    may_send: Callable[[], bool] | None  # the last check, asked once a connection is in hand
+    connected: bool = False  # a connection was in hand: from here on the tool may act
+
+
+_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
+    "fence_gateway_attempt", default=None
+)
 
 
 # The answer to a refused upgrade is read up to this size; a longer body is cut there.
@@ -124,16 +137,34 @@ async def _on_ws_answer(
 
 
 class _CallConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, except that an idle keep-alive connection on which the tool sent
-    anything is closed, not reused.
+    """aiohttp's connector, with what a call needs of the connection it is given.
 
-    A tool that sends more than its answer's framing says (a body longer than its
+    The last check before the bytes leave (docs/contract.md §14, "A replica fences itself"):
+    once a connection is in hand, new or pooled, and nothing is written yet, the call's
+    `may_send` is asked. When it says no, the connection is closed (neither pooled nor left
+    open) and nothing is sent. That a connection was in hand is noted: it is what tells
+    `not_sent` from `outcome_unknown`.
+
+    An idle keep-alive connection on which the tool sent anything is closed, not reused. A
+    tool that sends more than its answer's framing says (a body longer than its
     Content-Length, a second answer nobody asked for) leaves bytes on the connection after
     the gateway has the whole answer and has pooled it. aiohttp parses them as an answer and
     hands the connection to the next call, which then takes them for its own answer: another
     client's call would get this tool's leftovers, and its receipt the wrong outcome. A
     pooled connection with anything buffered (`should_close`) is dropped instead.
     """
+
+    async def connect(
+        self, req: aiohttp.ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> Connection:
+        connection = await super().connect(req, traces, timeout)
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            if attempt.may_send is not None and not attempt.may_send():
+                connection.close()
+                raise _Withdrawn
+            attempt.connected = True
+        return connection
 
     async def _get(self, key: Any, traces: Any) -> Any:
         idle = self._conns.get(key)
@@ -154,44 +185,15 @@ class Upstreams:
 
     async def open(self) -> None:
         require_no_resend_switch()
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(_on_connection)
-        trace.on_connection_reuseconn.append(_on_connection)
-        for name, upstream in self._config.items():
-            connector = _CallConnector(
-                limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
-            )
-            session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                trace_configs=[trace],
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
-            )
-            # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a
-            # reused keep-alive connection turns out dead. A fenced call must reach the tool
-            # at most once, so that retry is switched off (there is no public switch).
-            session._retry_connection = False
-            self._sessions[name] = session
         ws_trace = aiohttp.TraceConfig()
         ws_trace.on_connection_create_end.append(_on_ws_connection)
         ws_trace.on_request_end.append(_on_ws_answer)
         for name, upstream in self._config.items():
-            if not upstream.websocket:
-                continue
-            ws_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
-                ),
-                auto_decompress=False,
-                trace_configs=[ws_trace],
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
-            )
-            ws_session._retry_connection = False  # an upgrade is sent once, too
-            self._ws_sessions[name] = ws_session
+            self._sessions[name] = _client_session(upstream, _CallConnector, [])
+            if upstream.websocket:  # open sessions never take the pool its calls need
+                self._ws_sessions[name] = _client_session(
+                    upstream, aiohttp.TCPConnector, [ws_trace]
+                )
 
     async def close(self) -> None:
         sessions = [*self._sessions.values(), *self._ws_sessions.values()]
@@ -242,7 +244,7 @@ class Upstreams:
         headers: CIMultiDict[str],
         body: bytes | None,
         deadline: float,
-        may_send: Callable[[], bool] = lambda: True,
+        may_send: Callable[[], bool] | None = None,
     ) -> aiohttp.ClientResponse:
         """Send once and return the response with its head read; raise `UpstreamFailure`.
 
@@ -251,30 +253,22 @@ class Upstreams:
         `may_send` is asked once a connection is in hand, before anything is written (a wait
         for a free connection or a new one can be long): False, and nothing is sent.
         """
-        state = SimpleNamespace(connected=False, may_send=may_send)
+        attempt = _Attempt(may_send)
+        token = _ATTEMPT.set(attempt)  # for the connector (`_CallConnector.connect`)
         url = URL(upstream.url + rest, encoded=True)
         try:
             async with asyncio.timeout_at(deadline):
                 return await self._sessions[upstream.name].request(
-                    method,
-                    url,
-                    headers=headers,
-                    data=body,
-                    allow_redirects=False,
-                    trace_request_ctx=state,
+                    method, url, headers=headers, data=body, allow_redirects=False
                 )
         except _Withdrawn:
             raise UpstreamFailure(
-                "not_sent",
-                errors.StoreUnavailable(
-                    "this gateway process lost its heartbeat with the store, so peers may "
-                    "already be recovering its calls; the call was not sent",
-                    retry_after=1,
-                ),
-                reason="instance_lapsed",
+                "not_sent", errors.StoreUnavailable(LAPSED, retry_after=1), reason="instance_lapsed"
             ) from None
         except Exception as exc:  # whatever it is, the receipt needs to know if it was sent
-            raise _classify(exc, state.connected, upstream) from exc
+            raise _classify(exc, attempt.connected, upstream) from exc
+        finally:
+            _ATTEMPT.reset(token)
 
 
 def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
@@ -307,6 +301,25 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _client_session(
+    upstream: Upstream, connector: type[aiohttp.TCPConnector], traces: list[aiohttp.TraceConfig]
+) -> aiohttp.ClientSession:
+    """A session of `upstream`'s own: its pool and limits, bytes passed on as they are."""
+    session = aiohttp.ClientSession(
+        connector=connector(limit=upstream.max_connections, ssl=_ssl_context(upstream) or True),
+        auto_decompress=False,
+        trace_configs=traces,
+        skip_auto_headers=_SKIP_AUTO_HEADERS,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
+    )
+    # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a reused
+    # keep-alive connection turns out dead. A fenced call must reach the tool at most once, so
+    # that retry is switched off (there is no public switch).
+    session._retry_connection = False
+    return session
+
+
 def _ssl_context(upstream: Upstream) -> ssl.SSLContext | None:
     """The upstream's TLS settings; None for plain http."""
     if not upstream.url.startswith("https:"):
@@ -322,7 +335,7 @@ def require_no_resend_switch() -> None:
 
     aiohttp resends PUT, DELETE and other "idempotent" methods once when a reused keep-alive
     connection turns out dead. Since 3.11 `ClientSession._retry_connection` switches that off
-    (`Upstreams.open` sets it); before, the attribute did not exist, setting it did nothing,
+    (`_client_session` sets it); before, the attribute did not exist, setting it did nothing,
     and a fenced call could reach its tool twice. `ClientSession.ATTRS` lists the attributes
     a session carries: the switch is among them in every release that reads it (3.11 on) and
     in none before.

@@ -29,32 +29,17 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from gateway.core import errors
 from gateway.proxy.headers import (
-    FENCE_HEADER,
     GATEWAY_OWNED,
     HOP_BY_HOP,
     IDEMPOTENCY_HEADER,
-    OWNER_HEADER,
     REQUEST_ID_HEADER,
-    RESOURCE_HEADER,
-    SIGNATURE_HEADER,
 )
 from gateway.server.middleware import problem_response
 
-# Headers never passed on as the client sent them: the gateway reads, replaces or drops them.
+# Headers never passed on as the client sent them: the gateway reads, replaces or drops them
+# (GATEWAY_OWNED holds the fencing headers).
 _NOT_PASSED_ON = (
-    HOP_BY_HOP
-    | GATEWAY_OWNED
-    | frozenset(
-        h.lower()
-        for h in (
-            RESOURCE_HEADER,
-            FENCE_HEADER,
-            OWNER_HEADER,
-            SIGNATURE_HEADER,
-            IDEMPOTENCY_HEADER,
-            REQUEST_ID_HEADER,
-        )
-    )
+    HOP_BY_HOP | GATEWAY_OWNED | {IDEMPOTENCY_HEADER.lower(), REQUEST_ID_HEADER.lower()}
 )
 
 

@@ -109,8 +109,8 @@ def _count(
         result = "error"
     else:
         result = "rejected"
-        metrics.rejections.labels(upstream, error.code).inc()
-    metrics.requests.labels(upstream, result).inc()
+        metrics.rejections_of(upstream, error.code).inc()
+    metrics.requests_of(upstream, result).inc()
 
 
 def _log(

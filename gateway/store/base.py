@@ -9,12 +9,12 @@ module. Every method may raise `StoreUnavailable`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from gateway.core.cleanups import CleanupClaim, OwedCleanup
-from gateway.core.errors import StoreUnavailable
+from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.leases import Lease, Release
 from gateway.core.outcomes import Completion, Outcome
@@ -67,6 +67,23 @@ class Call:
     clients_configured: bool = False
     serial: bool = False  # its rule's `concurrency: serial`: one call at a time
     kind: Kind = "call"
+
+    def rejection(self, owner: str | None, code: str) -> Rejection:
+        """The `rejected` receipt admission keeps when it refuses this call with `code`:
+        `owner` as the fence check records it, the error's own status (docs/contract.md §3,
+        "Rejected receipts"). Its key and fingerprint are the store's to add, at step 5."""
+        return Rejection(
+            resource=self.resource,
+            fence=self.fence,
+            owner=owner,
+            client=self.client,
+            upstream=self.upstream,
+            method=self.method,
+            path=self.path,
+            code=code,
+            http_status=BY_CODE[code].status,
+            kind=self.kind,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +204,6 @@ class ReceiptQuery:
     until: float | None = None
     after_id: str | None = None
     limit: int = 100
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ResolveRefused(StrEnum):

@@ -15,7 +15,6 @@ read-decide-write is atomic across replicas. Steps about one receipt lock the re
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,9 +25,8 @@ from typing import Any, TypeVar
 import asyncpg
 
 from gateway.core import cleanups, fences, idempotency, leases, liveness, outcomes
-from gateway.core.errors import BY_CODE, StoreUnavailable
-from gateway.core.receipts import ReconcileWaits, Resolution, is_lost, may_resolve
-from gateway.core.times import rfc3339
+from gateway.core.errors import StoreUnavailable
+from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -52,14 +50,22 @@ from gateway.store.base import (
 )
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import (
+    KEY_STATE_COLUMNS,
+    KEY_STATE_SELECT,
     RECEIPT_SELECT,
     SETTLED_SQL,
     count_by_upstream,
     key_state,
     lease_of,
+    lost_receipts,
+    outcome_columns,
     owed_cleanup_of,
-    receipt_filters,
+    owed_cleanup_rows,
+    receipt_list,
     receipt_of,
+    replayed_of,
+    resolution_json,
+    session_json,
 )
 
 T = TypeVar("T")
@@ -101,11 +107,11 @@ _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR
 _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 
 # After the lock: the lease, the key's latest receipt and, without one, the earlier attempts.
+_LEASE_AND_KEY = ", ".join(
+    [f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS] + [f"r.{c} AS k_{c}" for c in KEY_STATE_COLUMNS]
+)
 _ADMIT_READ = (
-    "SELECT " + ", ".join(f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS) + ", "
-    "r.id AS k_id, r.fingerprint AS k_fingerprint, r.status AS k_status, "
-    "r.http_status AS k_http_status, r.replayable AS k_replayable, "
-    "r.resolution AS k_resolution, r.attempt AS k_attempt, r.error AS k_error, "
+    f"SELECT {_LEASE_AND_KEY}, "
     "CASE WHEN r.id IS NULL THEN (SELECT count(*) FROM receipts p WHERE p.resource = $1 "
     "AND p.idempotency_key = $2 AND p.status <> 'rejected') END AS pruned "
     "FROM (VALUES (1)) AS one (x) "
@@ -115,8 +121,7 @@ _ADMIT_READ = (
 )
 
 _KEY_STATE = (
-    "SELECT r.id, r.fingerprint, r.status, r.http_status, r.replayable, r.resolution, "
-    "r.attempt, r.error FROM idempotency_keys k JOIN receipts r "
+    f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r "
     "ON r.resource = k.resource AND r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2"
 )
 
@@ -172,15 +177,16 @@ _AHEAD = (
     "AND (fence < $2 OR turn < $3))"
 )
 
-# An outcome onto a receipt; $10: whether it settles the key (its retention starts); $11: a
-# session's object (kept as it was when None).
+# An outcome onto a receipt: $1 to $9 are the outcome as stored (`_outcome_args`; a session
+# object of None keeps the one there), $10 whether it is late, $11 whether it settles the key
+# (its retention starts).
 _RECORD = (
-    "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $5, "
-    f"forwarded_at = $6, completed_at = {_NOW}, replayable = $7, response_headers = $8, "
-    "response_body = $9, session = coalesce($11, session) WHERE id = $1 {only_pending} "
+    "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $10, "
+    f"forwarded_at = $5, completed_at = {_NOW}, replayable = $6, response_headers = $7, "
+    "response_body = $8, session = coalesce($9, session) WHERE id = $1 {only_pending} "
     "RETURNING resource, idempotency_key, completed_at), "
     "k AS (UPDATE idempotency_keys k SET expires_at = r.completed_at + k.retention_s FROM r "
-    "WHERE $10 AND k.resource = r.resource AND k.key = r.idempotency_key "
+    "WHERE $11 AND k.resource = r.resource AND k.key = r.idempotency_key "
     "AND k.receipt_id = $1) SELECT count(*) FROM r"
 )
 _RECORD_PENDING = _RECORD.format(only_pending="AND status = 'pending'")
@@ -419,17 +425,19 @@ class PostgresStore:
 
     async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
         locked = await conn.fetchrow(_LOCK_FENCES, call.resource)
-        issued, accepted, now = locked["issued"], locked["accepted"], locked["now"]
+        now = locked["now"]
         key, fingerprint = call.idempotency_key, call.fingerprint
-        if key is None or fingerprint is None:  # a session: no step 5 (docs/contract.md §15)
-            return await self._admit_session(conn, call, issued, accepted, now)
-        row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
-        current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        row: Any = None  # a session has no key to read
+        if key is None or fingerprint is None:
+            current = await self._lease(conn, call.resource) if call.issuer == "gateway" else None
+        else:  # the lease and the key's state in one read
+            row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
+            current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
         code, owner = fences.check(
             call.issuer,
             call.fence,
-            issued,
-            accepted,
+            locked["issued"],
+            locked["accepted"],
             current.view(now) if current else None,
             call.owner,
             call.client,
@@ -439,9 +447,11 @@ class PostgresStore:
             receipt_id = self._new_id(now)
             await conn.execute(
                 _INSERT_REJECTED,
-                *self._rejected_args(receipt_id, call, owner, code, now, with_key=False),
+                *self._rejection_args(receipt_id, call.rejection(owner, code), now),
             )
             return Refused(code, receipt_id)
+        if key is None or fingerprint is None:  # a session: no step 5 (docs/contract.md §15)
+            return await self._admit_session(conn, call, owner, now)
 
         latest = key_state(_prefixed(row, "k_")) if row["k_id"] is not None else None
         decision = idempotency.decide(
@@ -451,17 +461,13 @@ class PostgresStore:
             stored = await conn.fetchrow(
                 _ADVANCE_AND_REPLAY, call.resource, call.fence, decision.receipt_id
             )
-            return Replayed(
-                decision.receipt_id,
-                stored["http_status"],
-                [(name, value) for name, value in json.loads(stored["response_headers"])],
-                bytes(stored["response_body"]),
-            )
+            return replayed_of(decision.receipt_id, stored)
         if isinstance(decision, idempotency.Refuse):
             receipt_id = self._new_id(now)
+            rejection = call.rejection(owner, decision.code)
             await conn.execute(
                 _ADVANCE_AND_REJECT,
-                *self._rejected_args(receipt_id, call, owner, decision.code, now, with_key=True),
+                *self._rejection_args(receipt_id, rejection, now, key, fingerprint),
             )
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
@@ -494,27 +500,10 @@ class PostgresStore:
         )
 
     async def _admit_session(
-        self, conn: Any, call: Call, issued: int, accepted: int, now: float
-    ) -> Admitted | Refused:
-        """Steps 4 and 6 for an upgrade, under the resource's lock."""
-        current = await self._lease(conn, call.resource) if call.issuer == "gateway" else None
-        code, owner = fences.check(
-            call.issuer,
-            call.fence,
-            issued,
-            accepted,
-            current.view(now) if current else None,
-            call.owner,
-            call.client,
-            call.clients_configured,
-        )
+        self, conn: Any, call: Call, owner: str | None, now: float
+    ) -> Admitted:
+        """Step 6 for an upgrade that passed step 4, under the resource's lock."""
         receipt_id = self._new_id(now)
-        if code is not None:
-            await conn.execute(
-                _INSERT_REJECTED,
-                *self._rejected_args(receipt_id, call, owner, code, now, with_key=False),
-            )
-            return Refused(code, receipt_id)
         ahead = await conn.fetchval(
             _ADMIT_SESSION,
             call.resource,
@@ -530,32 +519,31 @@ class PostgresStore:
         )
         return Admitted(receipt_id, None, owner, instance, ahead=bool(ahead))
 
-    def _rejected_args(
+    def _rejection_args(
         self,
         receipt_id: str,
-        call: Call,
-        owner: str | None,
-        code: str,
-        now: float,
-        *,
-        with_key: bool,
+        rejection: Rejection,
+        now: float | None,
+        key: str | None = None,
+        fingerprint: str | None = None,
     ) -> tuple[Any, ...]:
+        """`_INSERT_REJECTED`'s parameters; `now` None: the database's time."""
         return (
             receipt_id,
-            call.resource,
-            call.fence,
-            owner,
-            call.client,
-            call.upstream,
-            call.method,
-            call.path,
-            call.idempotency_key if with_key else None,
-            call.fingerprint if with_key else None,
-            BY_CODE[code].status,
-            code,
+            rejection.resource,
+            rejection.fence,
+            rejection.owner,
+            rejection.client,
+            rejection.upstream,
+            rejection.method,
+            rejection.path,
+            key,
+            fingerprint,
+            rejection.http_status,
+            rejection.code,
             now,
             self.instance,
-            call.kind,
+            rejection.kind,
         )
 
     async def reject(self, rejection: Rejection) -> str:
@@ -563,24 +551,7 @@ class PostgresStore:
         receipt_id = self._new_id()
 
         async def op(conn: Any) -> str:
-            await conn.execute(
-                _INSERT_REJECTED,
-                receipt_id,
-                rejection.resource,
-                rejection.fence,
-                rejection.owner,
-                rejection.client,
-                rejection.upstream,
-                rejection.method,
-                rejection.path,
-                None,
-                None,
-                rejection.http_status,
-                rejection.code,
-                None,
-                self.instance,
-                rejection.kind,
-            )
+            await conn.execute(_INSERT_REJECTED, *self._rejection_args(receipt_id, rejection, None))
             return receipt_id
 
         return await self._run(op, writes=True)
@@ -591,9 +562,10 @@ class PostgresStore:
         """A `pending` receipt (the usual case) takes its outcome in one conditional
         statement: one round trip (three in `relaxed` mode, for its `SET LOCAL`). Anything
         else locks the receipt and asks `gateway.core.outcomes`: four."""
+        stored = self._outcome_args(receipt_id, outcome)  # encoded once, for either path
         # What the pure decision says for the `pending` receipt the statement requires.
         completion = outcomes.decide_completion("pending", outcome.status)
-        args = self._record_args(receipt_id, outcome, completion)
+        args = self._record_args(stored, outcome, completion)
 
         async def fast(conn: Any) -> int:
             return int(await conn.fetchval(_RECORD_PENDING, *args))
@@ -604,26 +576,34 @@ class PostgresStore:
             recorded = await self._run(fast, writes=True)
         if recorded:
             return completion
-        return await self._tx(lambda conn: self._complete(conn, receipt_id, outcome), relaxed=True)
+        return await self._tx(
+            lambda conn: self._complete(conn, receipt_id, outcome, stored), relaxed=True
+        )
 
     @staticmethod
-    def _record_args(receipt_id: str, outcome: Outcome, completion: Completion) -> tuple[Any, ...]:
-        headers, body = outcome.response if outcome.response is not None else (None, None)
+    def _outcome_args(receipt_id: str, outcome: Outcome) -> tuple[Any, ...]:
+        """`_RECORD`'s $1 to $9: the outcome as stored, whatever it does to the receipt."""
         return (
             receipt_id,
             outcome.status,
             outcome.http_status,
             outcome.error,
-            completion is Completion.LATE,
             outcome.forwarded_at,
             outcome.replayable,
-            json.dumps(headers) if headers is not None else None,
-            body,
-            outcomes.settles_key(completion, outcome.status),
-            json.dumps(outcome.session.to_json()) if outcome.session is not None else None,
+            *outcome_columns(outcome),
         )
 
-    async def _complete(self, conn: Any, receipt_id: str, outcome: Outcome) -> Completion:
+    @staticmethod
+    def _record_args(
+        stored: tuple[Any, ...], outcome: Outcome, completion: Completion
+    ) -> tuple[Any, ...]:
+        """`_RECORD`'s parameters: the outcome as stored, then what `completion` makes of it."""
+        late = completion is Completion.LATE
+        return (*stored, late, outcomes.settles_key(completion, outcome.status))
+
+    async def _complete(
+        self, conn: Any, receipt_id: str, outcome: Outcome, stored: tuple[Any, ...]
+    ) -> Completion:
         row = await conn.fetchrow(
             "SELECT status FROM receipts WHERE id = $1 FOR UPDATE", receipt_id
         )
@@ -637,7 +617,7 @@ class PostgresStore:
                 outcome.http_status,
             )
         elif completion in (Completion.RECORDED, Completion.LATE):
-            await conn.execute(_RECORD_LOCKED, *self._record_args(receipt_id, outcome, completion))
+            await conn.execute(_RECORD_LOCKED, *self._record_args(stored, outcome, completion))
         return completion
 
     async def pending_ahead(self, resource: str, fence: int, turn: int | None) -> bool:
@@ -667,7 +647,7 @@ class PostgresStore:
                 "UPDATE receipts SET http_status = 101, session = $2 "
                 "WHERE id = $1 AND status = 'pending'",
                 receipt_id,
-                json.dumps(record.to_json()),
+                session_json(record),
             ),
             writes=True,
         )
@@ -720,13 +700,12 @@ class PostgresStore:
             ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
             if not may_resolve(row["status"], ready_at, now):
                 return ResolveRefused.NOT_RECONCILABLE
-            resolution = {"outcome": outcome, "source": source, "note": note, "at": rfc3339(now)}
             updated = await conn.fetchrow(
                 "UPDATE receipts SET status = 'reconciled', resolution = $2, "
                 f"completed_at = coalesce(completed_at, $3) WHERE id = $1 "
                 f"RETURNING {RECEIPT_SELECT}",
                 receipt_id,
-                json.dumps(resolution),
+                resolution_json(outcome, source, note, now),
                 now,
             )
             await conn.execute(
@@ -748,13 +727,7 @@ class PostgresStore:
         return await self._run(op, writes=False)
 
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        filters = receipt_filters(query)
-        where = " AND ".join(f"{condition} ${n}" for n, (condition, _) in enumerate(filters, 1))
-        sql = (
-            f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
-            f"ORDER BY id LIMIT ${len(filters) + 1}"
-        )
-        params = [value for _, value in filters] + [query.limit]
+        sql, params = receipt_list(query, lambda n: f"${n}")
 
         async def op(conn: Any) -> list[Receipt]:
             return [receipt_of(row) for row in await conn.fetch(sql, *params)]
@@ -942,13 +915,7 @@ class PostgresStore:
     async def _schedule_cleanups(
         conn: Any, expired: list[Lease], cleanup_delay: CleanupDelay, now: float
     ) -> None:
-        owed = []
-        for lease in expired:
-            delay = cleanup_delay(lease.resource, lease.owner)
-            if delay is not None:
-                owed.append(
-                    (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now)
-                )
+        owed = owed_cleanup_rows(expired, cleanup_delay, now)
         if owed:
             # A newer expiry replaces an older owed cleanup: whoever held the resource in
             # between superseded it, and the newest lease is the one to clean up after.
@@ -1104,24 +1071,14 @@ class PostgresStore:
 
         async def op(conn: Any) -> dict[str, int]:
             rows = await conn.fetch(
-                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, r.kind, i.heartbeat_at, "
-                f"{_NOW} AS now FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
-                "WHERE r.status = 'pending'"
+                f"WITH t AS (SELECT {_NOW} AS now) SELECT r.id, r.upstream, r.created_at, "
+                "r.forwarded_at, r.kind, i.heartbeat_at, t.now FROM receipts r CROSS JOIN t "
+                "LEFT JOIN instances i ON i.id = r.instance WHERE r.status = 'pending'"
             )
-            lost = [
-                row["id"]
-                for row in rows
-                if is_lost(
-                    in_flight_here=row["id"] in in_flight,
-                    heartbeat_at=row["heartbeat_at"],
-                    silent_after_s=silent_after_s,
-                    now=row["now"],
-                    ready_at=waits.ready_at(
-                        row["upstream"], row["forwarded_at"], row["created_at"]
-                    ),
-                    session=row["kind"] == "session",
-                )
-            ]
+            if not rows:
+                return {}
+            now = rows[0]["now"]  # one time for the whole judgement, as on SQLite
+            lost = [row["id"] for row in lost_receipts(rows, waits, silent_after_s, in_flight, now)]
             if not lost:
                 return {}
             self._commit_hook()

@@ -1,21 +1,26 @@
-"""Typed values from any backend's row mapping: receipts, leases, key states, owed cleanups.
+"""Typed values from any backend's row mapping, and back: receipts, leases, key states, owed
+cleanups, stored answers.
 
 Rows come back from SQL as mappings of column names; these are the one place that turns
-them into the values of `gateway.core` and `gateway.store.base`.
+them into the values of `gateway.core` and `gateway.store.base`, and that turns those values
+into what a backend writes (JSON text, parameter tuples), so every backend stores alike.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gateway.core.cleanups import OwedCleanup
 from gateway.core.idempotency import KeyState
 from gateway.core.leases import Lease
-from gateway.core.receipts import SETTLED
-from gateway.store.base import Receipt, ReceiptQuery
+from gateway.core.outcomes import Outcome
+from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost
+from gateway.core.sessions import SessionRecord
+from gateway.core.times import rfc3339
+from gateway.store.base import CleanupDelay, Receipt, ReceiptQuery, Replayed
 
 RECEIPT_COLUMNS = (
     "id",
@@ -50,9 +55,26 @@ SETTLED_SQL = ", ".join(f"'{status}'" for status in sorted(SETTLED))
 """The statuses retention may delete, as an SQL list."""
 
 
-def receipt_filters(query: ReceiptQuery) -> list[tuple[str, object]]:
-    """A receipt list's conditions as (column and operator, value) pairs, in one order for
-    every backend; each renders its own placeholders."""
+KEY_STATE_COLUMNS = (
+    "id",
+    "fingerprint",
+    "status",
+    "http_status",
+    "replayable",
+    "resolution",
+    "attempt",
+    "error",
+)
+"""What `key_state` reads of the receipt a key points at."""
+KEY_STATE_SELECT = ", ".join(f"r.{column}" for column in KEY_STATE_COLUMNS)
+"""The same, of a receipt read as `r`."""
+
+
+def receipt_list(
+    query: ReceiptQuery, placeholder: Callable[[int], str]
+) -> tuple[str, list[object]]:
+    """A receipt list's statement and its parameters, the same on every backend:
+    `placeholder(n)` writes the backend's n-th parameter (from 1)."""
     conditions = (
         ("resource =", query.resource),
         ("status =", query.status),
@@ -64,7 +86,16 @@ def receipt_filters(query: ReceiptQuery) -> list[tuple[str, object]]:
         ("created_at <", query.until),
         ("id >", query.after_id),
     )
-    return [(condition, value) for condition, value in conditions if value is not None]
+    filters = [(condition, value) for condition, value in conditions if value is not None]
+    where = " AND ".join(
+        f"{condition} {placeholder(n)}" for n, (condition, _) in enumerate(filters, 1)
+    )
+    sql = (
+        f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
+        f"ORDER BY id LIMIT {placeholder(len(filters) + 1)}"
+    )
+    params: list[object] = [value for _, value in filters]
+    return sql, [*params, query.limit]
 
 
 def count_by_upstream(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -72,13 +103,81 @@ def count_by_upstream(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return dict(Counter(row["upstream"] for row in rows))
 
 
+def lost_receipts(
+    rows: Iterable[Mapping[str, Any]],
+    waits: ReconcileWaits,
+    silent_after_s: float,
+    in_flight: frozenset[str],
+    now: float,
+) -> list[Mapping[str, Any]]:
+    """The `pending` receipts whose outcome is lost at `now` (`gateway.core.receipts.is_lost`);
+    the rows have `id`, `upstream`, `created_at`, `forwarded_at`, `kind` and their instance's
+    `heartbeat_at`."""
+    return [
+        row
+        for row in rows
+        if is_lost(
+            in_flight_here=row["id"] in in_flight,
+            heartbeat_at=row["heartbeat_at"],
+            silent_after_s=silent_after_s,
+            now=now,
+            ready_at=waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"]),
+            session=row["kind"] == "session",
+        )
+    ]
+
+
 def receipt_of(row: Mapping[str, Any]) -> Receipt:
     values = {name: row[name] for name in RECEIPT_COLUMNS}
     values["late"] = bool(values["late"])
     for name in ("resolution", "session"):
-        if values[name] is not None and isinstance(values[name], str):
+        if isinstance(values[name], str):
             values[name] = json.loads(values[name])
     return Receipt(**values)
+
+
+def session_json(record: SessionRecord | None) -> str | None:
+    """A receipt's `session` column."""
+    return json.dumps(record.to_json()) if record is not None else None
+
+
+def outcome_columns(outcome: Outcome) -> tuple[str | None, bytes | None, str | None]:
+    """What an outcome stores beside its status: `response_headers` (JSON), `response_body`
+    (kept for replay only when whole) and `session`."""
+    headers, body = outcome.response if outcome.response is not None else (None, None)
+    return (
+        json.dumps(headers) if headers is not None else None,
+        body,
+        session_json(outcome.session),
+    )
+
+
+def replayed_of(receipt_id: str, row: Mapping[str, Any]) -> Replayed:
+    """A stored answer (`http_status`, `response_headers`, `response_body`), replayed."""
+    return Replayed(
+        receipt_id,
+        row["http_status"],
+        [(name, value) for name, value in json.loads(row["response_headers"])],
+        bytes(row["response_body"]),
+    )
+
+
+def resolution_json(outcome: Resolution, source: str, note: str | None, now: float) -> str:
+    """A reconciled receipt's `resolution` column (docs/contract.md §7)."""
+    return json.dumps({"outcome": outcome, "source": source, "note": note, "at": rfc3339(now)})
+
+
+def owed_cleanup_rows(
+    expired: Iterable[Lease], cleanup_delay: CleanupDelay, now: float
+) -> list[tuple[str, int, str, float, float]]:
+    """The cleanups expired leases owe, where `cleanup_delay` gives a lock delay: due that
+    long after the expiry. Rows of (resource, lease_fence, lease_owner, due_at, created_at)."""
+    owed = []
+    for lease in expired:
+        delay = cleanup_delay(lease.resource, lease.owner)
+        if delay is not None:
+            owed.append((lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now))
+    return owed
 
 
 def lease_of(row: Mapping[str, Any]) -> Lease:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
 import os
 import sqlite3
 import time
@@ -22,9 +21,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from gateway.core import cleanups, fences, idempotency, leases, outcomes
-from gateway.core.errors import BY_CODE, StoreUnavailable
-from gateway.core.receipts import ReconcileWaits, Resolution, is_lost, may_resolve
-from gateway.core.times import Clock, rfc3339
+from gateway.core.errors import StoreUnavailable
+from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
+from gateway.core.times import Clock
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -49,14 +48,21 @@ from gateway.store.base import (
 from gateway.store.group_commit import GroupCommitter
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import (
+    KEY_STATE_SELECT,
     RECEIPT_SELECT,
     SETTLED_SQL,
     count_by_upstream,
     key_state,
     lease_of,
+    lost_receipts,
+    outcome_columns,
     owed_cleanup_of,
-    receipt_filters,
+    owed_cleanup_rows,
+    receipt_list,
     receipt_of,
+    replayed_of,
+    resolution_json,
+    session_json,
 )
 
 T = TypeVar("T")
@@ -66,6 +72,10 @@ SCHEMA_VERSION = 2
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
+_KEY_STATE = (
+    f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
+    "WHERE k.resource = ? AND k.key = ?"
+)
 
 
 class StoreLocked(Exception):
@@ -240,7 +250,7 @@ class SqliteStore:
             call.clients_configured,
         )
         if code is not None:
-            return Refused(code, self._insert_rejected(conn, call, owner, code, now, False))
+            return Refused(code, self._insert_rejection(conn, call.rejection(owner, code), now))
 
         conn.execute(
             "INSERT INTO fences (resource, accepted) VALUES (?, ?) ON CONFLICT (resource) "
@@ -268,14 +278,10 @@ class SqliteStore:
                 "SELECT http_status, response_headers, response_body FROM receipts WHERE id = ?",
                 (decision.receipt_id,),
             ).fetchone()
-            return Replayed(
-                decision.receipt_id,
-                stored["http_status"],
-                [(name, value) for name, value in json.loads(stored["response_headers"])],
-                bytes(stored["response_body"]),
-            )
+            return replayed_of(decision.receipt_id, stored)
         if isinstance(decision, idempotency.Refuse):
-            receipt_id = self._insert_rejected(conn, call, owner, decision.code, now, True)
+            rejection = call.rejection(owner, decision.code)
+            receipt_id = self._insert_rejection(conn, rejection, now, key, fingerprint)
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
         receipt_id = self._insert_admitted(conn, call, owner, decision.attempt, now)
@@ -339,41 +345,8 @@ class SqliteStore:
     def _key_state(
         conn: sqlite3.Connection, resource: str, key: str
     ) -> idempotency.KeyState | None:
-        row = conn.execute(
-            "SELECT r.id, r.fingerprint, r.status, r.http_status, r.replayable, r.resolution, "
-            "r.attempt, r.error FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
-            "WHERE k.resource = ? AND k.key = ?",
-            (resource, key),
-        ).fetchone()
+        row = conn.execute(_KEY_STATE, (resource, key)).fetchone()
         return key_state(row) if row else None
-
-    def _insert_rejected(
-        self,
-        conn: sqlite3.Connection,
-        call: Call,
-        owner: str | None,
-        code: str,
-        now: float,
-        with_key: bool,
-    ) -> str:
-        return self._insert_rejection(
-            conn,
-            Rejection(
-                resource=call.resource,
-                fence=call.fence,
-                owner=owner,
-                client=call.client,
-                upstream=call.upstream,
-                method=call.method,
-                path=call.path,
-                code=code,
-                http_status=BY_CODE[code].status,
-                kind=call.kind,
-            ),
-            now,
-            call.idempotency_key if with_key else None,
-            call.fingerprint if with_key else None,
-        )
 
     def _insert_rejection(
         self,
@@ -432,7 +405,6 @@ class SqliteStore:
                 (outcome.http_status, receipt_id),
             )
         elif completion in (Completion.RECORDED, Completion.LATE):
-            headers, body = outcome.response if outcome.response is not None else (None, None)
             conn.execute(
                 "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
                 "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
@@ -445,9 +417,7 @@ class SqliteStore:
                     outcome.forwarded_at,
                     now,
                     int(outcome.replayable),
-                    json.dumps(headers) if headers is not None else None,
-                    body,
-                    _session_json(outcome.session),
+                    *outcome_columns(outcome),
                     receipt_id,
                 ),
             )
@@ -481,7 +451,7 @@ class SqliteStore:
             lambda conn: conn.execute(
                 "UPDATE receipts SET http_status = 101, session = ? "
                 "WHERE id = ? AND status = 'pending'",
-                (_session_json(record), receipt_id),
+                (session_json(record), receipt_id),
             )
         )
 
@@ -526,22 +496,23 @@ class SqliteStore:
     ) -> Receipt | ResolveRefused:
         def op(conn: sqlite3.Connection) -> Receipt | ResolveRefused:
             now = self._now()
-            row = conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
+            row = conn.execute(
+                "SELECT status, resource, idempotency_key, upstream, forwarded_at, created_at "
+                "FROM receipts WHERE id = ?",
+                (receipt_id,),
+            ).fetchone()
             if row is None:
                 return ResolveRefused.NOT_FOUND
             ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
             if not may_resolve(row["status"], ready_at, now):
                 return ResolveRefused.NOT_RECONCILABLE
-            resolution = {"outcome": outcome, "source": source, "note": note, "at": rfc3339(now)}
-            conn.execute(
+            [updated] = conn.execute(
                 "UPDATE receipts SET status = 'reconciled', resolution = ?, "
-                "completed_at = coalesce(completed_at, ?) WHERE id = ?",
-                (json.dumps(resolution), now, receipt_id),
-            )
+                f"completed_at = coalesce(completed_at, ?) WHERE id = ? RETURNING {RECEIPT_SELECT}",
+                (resolution_json(outcome, source, note, now), now, receipt_id),
+            ).fetchall()
             self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
-            return receipt_of(
-                conn.execute("SELECT * FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
-            )
+            return receipt_of(updated)
 
         return await self._write(op)
 
@@ -557,13 +528,7 @@ class SqliteStore:
         return await self._read(op)
 
     async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        filters = receipt_filters(query)
-        where = " AND ".join(f"{condition} ?" for condition, _ in filters)
-        sql = (
-            f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
-            "ORDER BY id LIMIT ?"
-        )
-        params = [value for _, value in filters] + [query.limit]
+        sql, params = receipt_list(query, lambda _: "?")
         return await self._read(
             lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()]
         )
@@ -730,20 +695,16 @@ class SqliteStore:
     def _schedule_cleanups(
         conn: sqlite3.Connection, expired: list[Lease], cleanup_delay: CleanupDelay, now: float
     ) -> None:
-        for lease in expired:
-            delay = cleanup_delay(lease.resource, lease.owner)
-            if delay is None:
-                continue
-            # A newer expiry replaces an older owed cleanup: whoever held the resource in
-            # between superseded it, and the newest lease is the one to clean up after.
-            conn.execute(
-                "INSERT INTO cleanups (resource, lease_fence, lease_owner, due_at, attempts, "
-                "sweep_fence, last_error, created_at) VALUES (?, ?, ?, ?, 0, NULL, NULL, ?) "
-                "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
-                "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
-                "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
-                (lease.resource, lease.fence, lease.owner, lease.expires_at + delay, now),
-            )
+        # A newer expiry replaces an older owed cleanup: whoever held the resource in
+        # between superseded it, and the newest lease is the one to clean up after.
+        conn.executemany(
+            "INSERT INTO cleanups (resource, lease_fence, lease_owner, due_at, attempts, "
+            "sweep_fence, last_error, created_at) VALUES (?, ?, ?, ?, 0, NULL, NULL, ?) "
+            "ON CONFLICT (resource) DO UPDATE SET lease_fence = excluded.lease_fence, "
+            "lease_owner = excluded.lease_owner, due_at = excluded.due_at, attempts = 0, "
+            "sweep_fence = NULL, last_error = NULL, created_at = excluded.created_at",
+            owed_cleanup_rows(expired, cleanup_delay, now),
+        )
 
     async def due_cleanups(self, limit: int) -> list[str]:
         """Resources whose owed cleanup is due now, the longest due first."""
@@ -885,20 +846,7 @@ class SqliteStore:
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'"
             ).fetchall()
-            lost = [
-                row
-                for row in rows
-                if is_lost(
-                    in_flight_here=row["id"] in in_flight,
-                    heartbeat_at=row["heartbeat_at"],
-                    silent_after_s=silent_after_s,
-                    now=now,
-                    ready_at=waits.ready_at(
-                        row["upstream"], row["forwarded_at"], row["created_at"]
-                    ),
-                    session=row["kind"] == "session",
-                )
-            ]
+            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now)
             conn.executemany(
                 "UPDATE receipts SET status = 'outcome_unknown', error = "
                 "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",
@@ -932,7 +880,3 @@ class SqliteStore:
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
         return await self._read(op)
-
-
-def _session_json(record: SessionRecord | None) -> str | None:
-    return json.dumps(record.to_json()) if record is not None else None

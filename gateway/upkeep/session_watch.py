@@ -13,15 +13,12 @@ within one sweep interval).
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from aiohttp import web
 
-from gateway.core import errors
 from gateway.core.sessions import watch_verdict
 from gateway.observe import logs
 from gateway.proxy import appkeys
+from gateway.upkeep.periodic import every
 
 SHARED_STORE_PERIOD_S = 0.075  # one read per period for all open sessions, when replicas share
 
@@ -59,12 +56,4 @@ async def watch_once(app: web.Application) -> None:
 
 
 async def watch(app: web.Application) -> None:
-    pause = period(app)
-    while True:
-        await asyncio.sleep(pause)
-        try:
-            await watch_once(app)
-        except errors.StoreUnavailable as exc:
-            logs.event("session_watch_failed", logging.WARNING, error=str(exc))
-        except Exception:
-            logs.log.exception("session watch failed unexpectedly")
+    await every(period(app), lambda: watch_once(app), "session_watch")

@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.core import errors
 from gateway.core.liveness import SILENT_INTERVALS
 from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.upkeep.cleanup import Cleaner
+from gateway.upkeep.periodic import every
 from gateway.upkeep.reconcile import wait_times
 from gateway.upkeep.session_watch import watch
 
@@ -61,11 +61,13 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the sweeper runs exactly while the app is up; cleanups in flight get the
     shutdown grace to finish and record their outcomes."""
     cleaner = Cleaner(app)
-    tasks = [
-        asyncio.create_task(_heartbeats(app), name="heartbeat"),
-        asyncio.create_task(_loop(app, cleaner), name="sweeper"),
-        asyncio.create_task(watch(app), name="session-watch"),  # docs/contract.md §15
-    ]
+    interval = app[appkeys.SETTINGS].sweep_interval_s
+    loops = {
+        "heartbeat": every(interval / HEARTBEATS_PER_INTERVAL, lambda: heartbeat(app), "heartbeat"),
+        "sweeper": every(interval, lambda: sweep_once(app, cleaner), "sweep"),
+        "session-watch": watch(app),  # docs/contract.md §15
+    }
+    tasks = [asyncio.create_task(loop, name=name) for name, loop in loops.items()]
     yield
     for task in tasks:
         task.cancel()
@@ -86,27 +88,3 @@ async def heartbeat(app: web.Application) -> None:
             now=store.instance,
             detail="silent too long for the store: calls admitted under the old id are not sent",
         )
-
-
-async def _heartbeats(app: web.Application) -> None:
-    pause = app[appkeys.SETTINGS].sweep_interval_s / HEARTBEATS_PER_INTERVAL
-    while True:
-        await asyncio.sleep(pause)
-        try:
-            await heartbeat(app)
-        except errors.StoreUnavailable as exc:
-            logs.event("heartbeat_failed", logging.WARNING, error=str(exc))
-        except Exception:
-            logs.log.exception("heartbeat failed unexpectedly")
-
-
-async def _loop(app: web.Application, cleaner: Cleaner) -> None:
-    interval = app[appkeys.SETTINGS].sweep_interval_s
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await sweep_once(app, cleaner)
-        except errors.StoreUnavailable as exc:
-            logs.event("sweep_failed", logging.WARNING, error=str(exc))
-        except Exception:
-            logs.log.exception("sweep failed unexpectedly")

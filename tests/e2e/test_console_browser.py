@@ -40,8 +40,8 @@ from tests.harness import (
     make_policy,
     problem,
 )
+from tests.sessions.chromium import chromium_path, playwright_or_fail
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "var" / "artifacts" / "console"
 DOCS = REPO_ROOT / "docs" / "console"
 VIEWPORTS = {"laptop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
@@ -49,14 +49,6 @@ TIMEOUT_S = 0.5  # the tool's timeout: a lost call is reconcilable this long aft
 
 KEYS = {"agent": "agent-secret-1", "reconciler": "alice-secret-1", "admin": "ann-secret-1"}
 LOST_KEY = "charge-42"
-
-
-def chromium() -> str:
-    if CHROMIUM.exists():
-        return str(CHROMIUM)
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {CHROMIUM} is missing: .ci/run installs it with apt-get")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium): console browser tests")
 
 
 def clients_file(path: Path) -> Path:
@@ -146,7 +138,8 @@ async def make_history(session: aiohttp.ClientSession, gateway: GatewayProcess) 
 
 @pytest.fixture
 async def browser() -> AsyncIterator[Any]:
-    executable = chromium()
+    executable = chromium_path()
+    playwright_or_fail()
     from playwright.async_api import async_playwright
 
     async with async_playwright() as playwright:

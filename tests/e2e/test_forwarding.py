@@ -36,6 +36,7 @@ from tests.harness import (
     problem,
     raw_request,
 )
+from tests.hostile.wire import WireTool
 
 RESOURCE = "fwd/r1"
 
@@ -739,53 +740,9 @@ class TestAnswers:
         assert len(upstream.requests) == 1
 
 
-class ScriptedWireUpstream:
-    """An upstream that writes scripted raw HTTP/1.1 answers, keyed by path.
-
-    For framings aiohttp's server will not produce on request: a HEAD answer with a
-    Content-Length and no body, a chunked answer, `Connection` naming an answer header, an
-    answer without Content-Type. It keeps every request head it read.
-    """
-
-    def __init__(self, answers: dict[str, bytes]) -> None:
-        self.answers = answers
-        self.heads: list[bytes] = []
-        self.port: int | None = None
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> ScriptedWireUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                self.heads.append(head)
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                path = head.split(b" ")[1].decode()
-                writer.write(self.answers[path])
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
+# Framings aiohttp's server will not produce on request: a HEAD answer with a Content-Length
+# and no body, a chunked answer, `Connection` naming an answer header, an answer without
+# Content-Type.
 WIRE_ANSWERS = {
     "/api/doc": b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nContent-Type: text/plain\r\n"
     b"X-Doc: 1\r\n\r\n",  # only HEAD asks for it: no body follows
@@ -801,7 +758,7 @@ class TestAnswerFraming:
     """Answers whose framing matters, sent byte for byte by a scripted upstream."""
 
     async def fetch(self, gateway_factory, session, method: str, path: str, fence: int = 0):
-        async with ScriptedWireUpstream(WIRE_ANSWERS) as wire:
+        async with WireTool(WIRE_ANSWERS) as wire:
             gateway = await gateway_factory(make_policy(wire.url, rules()))
             headers = fenced_headers(RESOURCE, fence) if fence else {}
             result = await call(session, method, f"{gateway.url}/tool{path}", headers=headers)

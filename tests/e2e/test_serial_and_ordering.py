@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import pytest
 
@@ -200,20 +201,25 @@ async def gw(make_app: AppFactory, upstream: RecordingUpstream) -> InProcessGate
     return await make_app(policy, body_timeout_s=0.5, reconcile_grace_s=0)
 
 
+async def older_held_then_newer(
+    gw: InProcessGateway, upstream: RecordingUpstream, resource: str, newer_path: str
+) -> tuple[asyncio.Event, asyncio.Task[Any], asyncio.Task[Any]]:
+    """Fence 1 of `resource` sent to `/tool/old` and held at the tool until the event is set,
+    then fence 2 sent to `newer_path`: the event, and the tasks of both calls."""
+    gate = asyncio.Event()
+    upstream.script("/api/old", Behavior(gate=gate))
+    old = asyncio.create_task(gw.client.post("/tool/old", headers=fenced_headers(resource, 1)))
+    await upstream.wait_received(1)
+    new = asyncio.create_task(gw.client.post(newer_path, headers=fenced_headers(resource, 2)))
+    return gate, old, new
+
+
 class TestTakeoverAcrossRules:
     """A newer fence never overtakes an older call in flight, and its grace counts from
     when it really left."""
 
     async def test_a_serial_rule_waits_for_a_parallel_rules_older_call(self, gw, upstream):
-        gate = asyncio.Event()
-        upstream.script("/api/old", Behavior(gate=gate))
-        old = asyncio.create_task(
-            gw.client.post("/tool/old", headers=fenced_headers("shared/a", 1))
-        )
-        await upstream.wait_received(1)
-        new = asyncio.create_task(
-            gw.client.post("/serial/new", headers=fenced_headers("shared/a", 2))
-        )
+        gate, old, new = await older_held_then_newer(gw, upstream, "shared/a", "/serial/new")
         await asyncio.sleep(0.2)
         assert [r.path for r in upstream.received()] == ["/api/old"]
         gate.set()
@@ -224,16 +230,9 @@ class TestTakeoverAcrossRules:
     async def test_a_call_that_waited_is_forwarded_at_when_it_left(self, gw, upstream):
         """Durably, before it leaves: if the gateway dies while the call runs, a reconciler's
         grace still counts from when the tool got it, not from its admission."""
-        old_gate, new_gate = asyncio.Event(), asyncio.Event()
-        upstream.script("/api/old", Behavior(gate=old_gate))
+        new_gate = asyncio.Event()
         upstream.script("/api/new", Behavior(gate=new_gate))
-        old = asyncio.create_task(
-            gw.client.post("/tool/old", headers=fenced_headers("shared/b", 1))
-        )
-        await upstream.wait_received(1)
-        new = asyncio.create_task(
-            gw.client.post("/tool/new", headers=fenced_headers("shared/b", 2))
-        )
+        old_gate, old, new = await older_held_then_newer(gw, upstream, "shared/b", "/tool/new")
         await asyncio.sleep(0.3)
         old_gate.set()
         (await old).release()
@@ -261,15 +260,7 @@ class TestWaitedCallStoreFailure:
             raise StoreUnavailable("disk gone")
 
         monkeypatch.setattr(gw.store, "mark_forwarded", failing)
-        gate = asyncio.Event()
-        upstream.script("/api/old", Behavior(gate=gate))
-        old = asyncio.create_task(
-            gw.client.post("/tool/old", headers=fenced_headers("shared/e", 1))
-        )
-        await upstream.wait_received(1)
-        new = asyncio.create_task(
-            gw.client.post("/tool/new", headers=fenced_headers("shared/e", 2))
-        )
+        gate, old, new = await older_held_then_newer(gw, upstream, "shared/e", "/tool/new")
         await asyncio.sleep(0.1)
         gate.set()
         (await old).release()

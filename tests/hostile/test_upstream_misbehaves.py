@@ -16,26 +16,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
 from tests.harness import GatewayProcess, fenced_headers, make_policy
 from tests.hostile.conftest import LoopThread, start_gateway
+from tests.hostile.wire import Script, WireTool
 
 pytestmark = pytest.mark.both_parsers
 
 TIMEOUT_S = 1.0  # the tool's `timeout_s`
-Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
-
-
-async def _invalid_status(writer: asyncio.StreamWriter) -> None:
-    writer.write(b"HTTP/1.1 2x0 OK\r\nContent-Length: 2\r\n\r\nok")
-
-
-async def _no_status_line(writer: asyncio.StreamWriter) -> None:
-    writer.write(b"lorem ipsum\r\n\r\n")
 
 
 async def _endless_headers(writer: asyncio.StreamWriter) -> None:
@@ -43,13 +35,6 @@ async def _endless_headers(writer: asyncio.StreamWriter) -> None:
     for n in range(100_000):  # ends when the gateway gives up and closes
         writer.write(b"X-More-%d: %s\r\n" % (n, b"v" * 64))
         await writer.drain()
-
-
-async def _longer_at_once(writer: asyncio.StreamWriter) -> None:
-    writer.write(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-        b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nsmuggle"
-    )
 
 
 async def _longer_later(writer: asyncio.StreamWriter) -> None:
@@ -65,60 +50,21 @@ async def _continue_then_nothing(writer: asyncio.StreamWriter) -> None:
     await asyncio.sleep(TIMEOUT_S * 5)
 
 
-async def _ok(writer: asyncio.StreamWriter) -> None:
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok")
-
-
-SCRIPTS: dict[str, Script] = {
-    "/api/invalid-status": _invalid_status,
-    "/api/no-status-line": _no_status_line,
+ANSWERS: dict[str, bytes | Script] = {
+    "/api/invalid-status": b"HTTP/1.1 2x0 OK\r\nContent-Length: 2\r\n\r\nok",
+    "/api/no-status-line": b"lorem ipsum\r\n\r\n",
     "/api/endless-headers": _endless_headers,
-    "/api/longer-at-once": _longer_at_once,
+    "/api/longer-at-once": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+    b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nsmuggle",
     "/api/longer-later": _longer_later,
     "/api/continue-then-nothing": _continue_then_nothing,
-    "/api/ok": _ok,
+    "/api/ok": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok",
 }
 
 
-class ScriptedTool:
-    """Reads each request (head and Content-Length body) and runs its path's script."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-        self._server: asyncio.Server | None = None
-        self.port: int | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                path = head.split(b" ")[1].decode()
-                self.paths.append(path)
-                await SCRIPTS[path](writer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
 @pytest.fixture(scope="module")
-def tool(loop_thread: LoopThread) -> Iterator[ScriptedTool]:
-    server = ScriptedTool()
+def tool(loop_thread: LoopThread) -> Iterator[WireTool]:
+    server = WireTool(ANSWERS)
     loop_thread.run(server.start())
     yield server
     loop_thread.run(server.close())
@@ -126,18 +72,18 @@ def tool(loop_thread: LoopThread) -> Iterator[ScriptedTool]:
 
 @pytest.fixture(scope="module")
 def gateway(
-    tool: ScriptedTool, http_parser: str, tmp_path_factory: pytest.TempPathFactory
+    tool: WireTool, http_parser: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
     gateway = start_gateway(
         tmp_path_factory.mktemp(f"misbehaving-{http_parser}"),
-        make_policy(f"http://127.0.0.1:{tool.port}/api", [{"match": "ok/**"}], timeout_s=TIMEOUT_S),
+        make_policy(tool.url, [{"match": "ok/**"}], timeout_s=TIMEOUT_S),
         http_parser,
     )
     yield gateway
     gateway.kill9_sync()
 
 
-# path → (status, problem code or the body passed on, receipt status, receipt error)
+# path → (status, problem code or the body passed on, receipt status)
 EXPECTED = {
     "/invalid-status": (502, "upstream_outcome_unknown", "outcome_unknown"),
     "/no-status-line": (502, "upstream_outcome_unknown", "outcome_unknown"),
@@ -164,7 +110,7 @@ async def call(
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "plain"])
 @pytest.mark.parametrize("path", sorted(EXPECTED))
 async def test_each_misbehaviour_gets_its_outcome(
-    gateway: GatewayProcess, tool: ScriptedTool, path: str, fenced: bool
+    gateway: GatewayProcess, path: str, fenced: bool
 ) -> None:
     status, passed_on, receipt_status = EXPECTED[path]
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S * 5)

@@ -1,18 +1,22 @@
-"""Raw HTTP/1.1 over plain blocking sockets, for hostile-input tests: send bytes exactly as
-given, read back every answer the gateway gives on that connection, and say whether the
-connection hung.
+"""Raw HTTP/1.1 for hostile-input tests, both ways.
 
-Blocking sockets keep this usable from a thread (hypothesis runs its examples there) while the
-test's event loop goes on serving the recording upstream.
+To the gateway, over plain blocking sockets: send bytes exactly as given, read back every
+answer the gateway gives on that connection, and say whether the connection hung. Blocking
+sockets keep this usable from a thread (hypothesis runs its examples there) while the test's
+event loop goes on serving the recording upstream.
+
+From the tool (`WireTool`): answers written byte for byte, framed right or wrong.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import socket
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 
@@ -153,3 +157,60 @@ def request(
     lines = [method + b" " + target + b" " + version]
     lines += [name + b":" + value for name, value in headers]
     return newline.join(lines) + newline + newline + body
+
+
+# What a tool writes as its answer, on the connection the request came on.
+Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+class WireTool:
+    """A tool answering in raw HTTP/1.1, by request path: the bytes given, or what a script
+    writes (answers aiohttp's server will not produce, or that break HTTP). It reads each
+    request, its head and a Content-Length body, and keeps every head."""
+
+    def __init__(self, answers: Mapping[str, bytes | Script]) -> None:
+        self.answers = answers
+        self.heads: list[bytes] = []
+        self.port: int | None = None
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def __aenter__(self) -> WireTool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                answer = self.answers[head.split(b" ")[1].decode()]
+                if isinstance(answer, bytes):
+                    writer.write(answer)
+                else:
+                    await answer(writer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()

@@ -25,6 +25,7 @@ from tests.harness import (
     make_policy,
     problem,
     problem_summary,
+    wait_for,
 )
 from tests.pg import run_sync, server_sql
 from tests.replicas.conftest import Replicas
@@ -317,7 +318,7 @@ class TestAPausedReplicaFencesItself:
             receipts = await receipts_of(session, b, resource="deploy/p", status="pending")
             return not receipts
 
-        await wait_until(settled, "no receipt left pending")
+        await wait_for(settled, timeout=10, interval=0.1, what="no receipt left pending")
         receipts = {r["fence"] for r in await receipts_of(session, b, resource="deploy/p")}
         assert all(f in receipts for f in arrived)
 
@@ -328,10 +329,7 @@ async def wait_for_receipt(
     async def found() -> bool:
         return bool(await receipts_of(session, gateway, **filters))
 
-    deadline = time.monotonic() + 10
-    while not await found():
-        assert time.monotonic() < deadline, f"no receipt matching {filters}"
-        await asyncio.sleep(0.05)
+    await wait_for(found, timeout=10, interval=0.05, what=f"a receipt matching {filters}")
 
 
 class TestTheDatabaseGoesAway:
@@ -354,7 +352,7 @@ class TestTheDatabaseGoesAway:
                 ready = await call(session, "GET", f"{gateway.url}/_gateway/readyz")
                 return ready.status == 503
 
-            await wait_until(not_ready, "readyz to turn 503")
+            await wait_for(not_ready, timeout=10, interval=0.1, what="readyz to turn 503")
             assert problem_summary(await post(session, gateway, "deploy/web", 3)) == (
                 503,
                 "store_unavailable",
@@ -366,7 +364,7 @@ class TestTheDatabaseGoesAway:
             answer = await call(session, "GET", f"{gateway.url}/_gateway/readyz")
             return answer.status == 200
 
-        await wait_until(ready, "readyz to turn 200 again", timeout=15)
+        await wait_for(ready, timeout=15, interval=0.1, what="readyz to turn 200 again")
         assert (await post(session, gateway, "deploy/web", 4)).status == 200
         assert fences_in_arrival_order(upstream) == [1, 4]
         assert gateway.returncode is None
@@ -381,10 +379,3 @@ def outage(database: str, on: bool) -> None:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             f"WHERE datname = '{database}' AND pid <> pg_backend_pid()",
         )
-
-
-async def wait_until(predicate: Any, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -20,6 +19,7 @@ from tests.harness import (
     call,
     fenced_headers,
     make_policy,
+    wait_for,
     write_policy,
 )
 from tests.pg import run_sync, server_sql
@@ -83,17 +83,18 @@ class TestWorkers:
         try:
             # Each new connection lands on one of the workers: both answer, as replicas (the
             # second may still be starting when the first answers).
-            seen = set()
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
+            seen: set[str] = set()
+
+            async def both_answered() -> bool:
                 async with aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(force_close=True)
                 ) as fresh:
                     ready = await call(fresh, "GET", f"{gateway.url}/_gateway/readyz")
                 assert ready.status == 200
                 seen.add(ready.json()["instance"])
-                if len(seen) == 2:
-                    break
+                return len(seen) == 2
+
+            await wait_for(both_answered, timeout=15, interval=0, what="both workers to answer")
             assert seen == {"w", "w.1"}
             results = [
                 await call(

@@ -5,6 +5,7 @@ for the session test that spans two replicas."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from tests.harness import GatewayProcess, fenced_headers, fetch_receipts, make_policy
 from tests.replicas.conftest import pg_url, replicas  # noqa: F401 - fixtures offered here
-from tests.sessions.ws_upstream import WsUpstream
+from tests.sessions.ws_upstream import WsConnection, WsUpstream
 
 
 @pytest.fixture
@@ -57,6 +58,46 @@ async def connect(
         **kwargs,
     )
     return ws
+
+
+async def keep_sending(ws: aiohttp.ClientWebSocketResponse[Any], sent: list[str]) -> None:
+    """The old owner, paused in a model call no more: it sends as fast as it can until its
+    socket is closed under it."""
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
+        for n in range(1_000_000):
+            if ws.closed:
+                return
+            await ws.send_str(f"click {n}")
+            sent.append(f"click {n}")
+            await asyncio.sleep(0.001)
+
+
+async def old_owner_sending(
+    session: aiohttp.ClientSession,
+    gateway: GatewayProcess,
+    ws_upstream: WsUpstream,
+    resource: str,
+    fence: int,
+    received: int = 20,
+) -> tuple[aiohttp.ClientWebSocketResponse[Any], WsConnection, list[str], asyncio.Task[None]]:
+    """A session whose owner keeps sending (`keep_sending`), once the tool has `received` of
+    its messages: the client's socket, the tool's one new connection, what was sent so far,
+    and the sending task."""
+    before = len(ws_upstream.connections)
+    ws = await connect(session, gateway, resource, fence)
+    sent: list[str] = []
+    sender = asyncio.create_task(keep_sending(ws, sent))
+    await ws_upstream.wait_connections(before + 1)
+    (conn,) = ws_upstream.connections[before:]
+    await ws_upstream.wait_messages(conn, received)
+    return ws, conn, sent, sender
+
+
+def assert_nothing_after(old: WsConnection, at_seq: int, at_time: float) -> None:
+    """No message of the old session reached the tool after the newer call or session did."""
+    assert old.messages, "the old session relayed nothing before the takeover"
+    assert max(m.seq for m in old.messages) < at_seq
+    assert max(m.received_at for m in old.messages) <= at_time
 
 
 async def next_message(ws: aiohttp.ClientWebSocketResponse[Any], timeout: float = 5.0) -> Any:

@@ -14,8 +14,14 @@ import aiohttp
 
 from tests.harness import call, fenced_headers
 from tests.replicas.conftest import Replicas
-from tests.sessions.conftest import closed_with, connect, settled_receipts, ws_policy
-from tests.sessions.test_takeover import assert_nothing_after, keep_sending
+from tests.sessions.conftest import (
+    assert_nothing_after,
+    closed_with,
+    connect,
+    old_owner_sending,
+    settled_receipts,
+    ws_policy,
+)
 from tests.sessions.ws_upstream import WsUpstream
 
 
@@ -24,12 +30,7 @@ async def test_a_session_on_one_replica_is_cut_by_a_call_admitted_on_another(
 ) -> None:
     ws_upstream.echo = False
     a, b = await replicas(ws_policy(ws_upstream.url))
-    old = await connect(session, a, "ext/r", 3)
-    sent: list[str] = []
-    sender = asyncio.create_task(keep_sending(old, sent))
-    await ws_upstream.wait_connections(1)
-    (conn,) = ws_upstream.connections
-    await ws_upstream.wait_messages(conn, 20)
+    old, conn, sent, sender = await old_owner_sending(session, a, ws_upstream, "ext/r", 3)
 
     started = time.monotonic()
     newer = await call(

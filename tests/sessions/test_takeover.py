@@ -8,44 +8,24 @@ revoked.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from typing import Any
 
 import aiohttp
 from aiohttp import WSMsgType
 
 from tests.harness import GatewayFactory, call, fenced_headers
-from tests.sessions.conftest import closed_with, connect, settled_receipts, ws_policy
-from tests.sessions.ws_upstream import WsConnection, WsUpstream
+from tests.sessions.conftest import (
+    assert_nothing_after,
+    closed_with,
+    connect,
+    old_owner_sending,
+    settled_receipts,
+    ws_policy,
+)
+from tests.sessions.ws_upstream import WsUpstream
 
 SWEEP_S = 0.2
 LEASES = "/_gateway/v1/leases"
-
-
-async def keep_sending(ws: aiohttp.ClientWebSocketResponse[Any], sent: list[str]) -> None:
-    """The old owner, paused in a model call no more: it sends as fast as it can until its
-    socket is closed under it."""
-    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-        for n in range(1_000_000):
-            if ws.closed:
-                return
-            await ws.send_str(f"click {n}")
-            sent.append(f"click {n}")
-            await asyncio.sleep(0.001)
-
-
-async def drain(ws: aiohttp.ClientWebSocketResponse[Any]) -> Any:
-    """Everything the old session still receives, up to its close frame."""
-    return await closed_with(ws)
-
-
-def assert_nothing_after(old: WsConnection, at_seq: int, at_time: float) -> None:
-    """No message of the old session reached the tool after the newer call or session did."""
-    assert old.messages, "the old session relayed nothing before the takeover"
-    assert max(m.seq for m in old.messages) < at_seq
-    assert max(m.received_at for m in old.messages) <= at_time
 
 
 async def test_an_http_call_with_a_higher_fence_cuts_the_session_before_it_is_forwarded(
@@ -53,17 +33,12 @@ async def test_an_http_call_with_a_higher_fence_cuts_the_session_before_it_is_fo
 ) -> None:
     ws_upstream.echo = False
     gw = await gateway_factory(ws_policy(ws_upstream.url), sweep_interval_s=SWEEP_S)
-    old = await connect(session, gw, "ext/t", 3)
-    sent: list[str] = []
-    sender = asyncio.create_task(keep_sending(old, sent))
-    await ws_upstream.wait_connections(1)
-    (conn,) = ws_upstream.connections
-    await ws_upstream.wait_messages(conn, 20)
+    old, conn, sent, sender = await old_owner_sending(session, gw, ws_upstream, "ext/t", 3)
 
     newer = await call(
         session, "POST", f"{gw.url}/tool/op", headers=fenced_headers("ext/t", 4), data=b"{}"
     )
-    closed = await drain(old)
+    closed = await closed_with(old)
     await sender
     assert newer.status == 200
     assert (closed.type, closed.data, closed.extra) == (WSMsgType.CLOSE, 4409, "stale_fence")
@@ -100,24 +75,19 @@ async def test_a_new_session_cuts_the_old_one_and_waits_for_a_tool_that_will_not
         resource = f"ext/{round_}"
         ws_upstream.answer_close = answer_close
         ws_upstream.echo = False
-        before = len(ws_upstream.connections)
-        old = await connect(session, gw, resource, 1)
-        sent: list[str] = []
-        sender = asyncio.create_task(keep_sending(old, sent))
-        await ws_upstream.wait_connections(before + 1)
-        old_conn = ws_upstream.connections[-1]
-        await ws_upstream.wait_messages(old_conn, 10)
+        old, old_conn, _, sender = await old_owner_sending(
+            session, gw, ws_upstream, resource, 1, received=10
+        )
 
         started = time.monotonic()
         new = await connect(session, gw, resource, 2)
         waited = time.monotonic() - started
         new_conn = ws_upstream.connections[-1]
-        closed = await drain(old)
+        closed = await closed_with(old)
         await sender
         assert (closed.data, closed.extra) == (4409, "stale_fence")
         assert new_conn is not old_conn and new_conn.fence == 2
-        assert_nothing_after(old_conn, new_conn.messages[0].seq if new_conn.messages else 10**9,
-                             new_conn.opened_at)  # fmt: skip
+        assert_nothing_after(old_conn, new_conn.seq, new_conn.opened_at)
         if answer_close:
             assert waited < 0.9, waited
         else:  # one second for the close reply, then the connection was aborted

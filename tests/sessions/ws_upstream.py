@@ -1,8 +1,8 @@
 """A real WebSocket tool for session tests: `WsUpstream` is `RecordingUpstream` (it still
 records and answers plain HTTP calls) that also accepts WebSocket upgrades on any path and
 records every message it receives, with its arrival time on the test's monotonic clock and
-one sequence shared with the HTTP calls, so "no message of the old session after the newer
-call" is a comparison of two numbers.
+one sequence shared with the HTTP calls and the upgrades, so "no message of the old session
+after the newer call (or session)" is a comparison of two numbers.
 
 Per connection it echoes text and binary messages back (`echo`), answers pings with the
 same payload, and can be told to refuse upgrades (`refuse`), to stop reading (`reading`), or
@@ -35,6 +35,7 @@ class WsMessage:
 @dataclasses.dataclass
 class WsConnection:
     id: int
+    seq: int  # the upgrade's place in the sequence shared with messages and HTTP requests
     path_qs: str
     headers: CIMultiDictProxy[str]
     opened_at: float
@@ -75,10 +76,6 @@ class WsUpstream(RecordingUpstream):
 
     # -- views -------------------------------------------------------------------------------
 
-    def messages(self, connection: WsConnection | None = None) -> list[WsMessage]:
-        conns = [connection] if connection is not None else self.connections
-        return sorted((m for c in conns for m in c.messages), key=lambda m: m.seq)
-
     async def wait_connections(self, count: int, timeout: float = 5.0) -> None:
         await wait_for(lambda: len(self.connections) >= count, timeout=timeout, what="ws")
 
@@ -98,6 +95,8 @@ class WsUpstream(RecordingUpstream):
             return web.Response(
                 status=self.refuse.status, body=self.refuse.body, headers=self.refuse.headers
             )
+        self._seq += 1
+        seq = self._seq
         ws = web.WebSocketResponse(
             autoping=False,
             autoclose=False,
@@ -107,6 +106,7 @@ class WsUpstream(RecordingUpstream):
         await ws.prepare(request)
         conn = WsConnection(
             id=len(self.connections) + 1,
+            seq=seq,
             path_qs=request.raw_path,
             headers=CIMultiDictProxy(CIMultiDict(request.headers)),
             opened_at=time.monotonic(),

@@ -80,6 +80,13 @@ def _drop_pg_databases() -> Iterator[None]:
 
 
 @pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """A backend's name, for a test that opens (and reopens) its stores itself; a
+    `sqlite_only` test gets `backend=sqlite` only."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     backend = make_store(request.param, tmp_path)
     await backend.open()

@@ -156,6 +156,9 @@ class TestOutcomes:
     async def test_in_flight_receipts_are_not_lost(self, store) -> None:
         admitted = await store.admit(call(1))
         assert await store.expire_pending(NO_WAIT, 60, frozenset({admitted.receipt_id})) == {}
+        assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        # past its grace: only being in flight kept it
+        assert await store.expire_pending(NO_WAIT, 60, frozenset()) == {"tool": 1}
 
     async def test_reject_keeps_a_receipt(self, store) -> None:
         receipt_id = await store.reject(

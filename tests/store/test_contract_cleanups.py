@@ -12,16 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from gateway.store.base import Store
-from tests.store.conftest import BACKENDS, make_store
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    """A backend's name, for a test that opens (and reopens) its stores itself."""
-    return request.param  # type: ignore[no-any-return]
+from tests.store.conftest import make_store
 
 
 def owed(resource: str, owner: str) -> float | None:

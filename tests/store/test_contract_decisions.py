@@ -21,16 +21,10 @@ from gateway.store.base import (
     Store,
 )
 from tests.harness import FakeClock
-from tests.store.conftest import BACKENDS, make_store
+from tests.store.conftest import make_store
 from tests.store.test_contract import NO_WAIT, call, ok
 
 START = 1_000.0  # the fake clock's start, in epoch seconds
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    """A backend's name (the conftest keeps `sqlite_only` tests to `backend=sqlite`)."""
-    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture

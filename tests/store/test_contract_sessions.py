@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.core.receipts import ReconcileWaits
 from gateway.core.sessions import FenceState, SessionRecord, ended_by_gateway
 from gateway.core.times import rfc3339
 from gateway.store.base import Admitted, Call, Outcome, Refused, Rejection
 from gateway.store.sqlite import SCHEMA_VERSION, SchemaTooNew, SqliteStore
-from tests.store.test_contract import call
-
-NO_WAIT = ReconcileWaits({}, default=0)  # every call is past its upstream's timeout at once
+from tests.store.test_contract import NO_WAIT, call
 
 
 def session(fence: int, resource: str = "acct/1", issuer: str = "external") -> Call:

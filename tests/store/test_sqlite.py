@@ -73,12 +73,14 @@ class TestGroupCommit:
             conn.execute("INSERT INTO no_such_table VALUES (1)")
 
         try:
+            before = store.committer.batches
             results = await asyncio.gather(
                 store.admit(call(1, key="a")),
                 store.committer.submit(broken),
                 store.admit(call(1, key="b")),
                 return_exceptions=True,
             )
+            assert store.committer.batches - before == 1  # all three in one transaction
             assert [type(r).__name__ for r in results] == [
                 "Admitted",
                 "StoreUnavailable",

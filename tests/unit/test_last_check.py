@@ -1,10 +1,11 @@
 """The last check before a call's bytes leave (docs/contract.md §14, "A replica fences
 itself"): asked once a connection to the tool is in hand, new or reused, and when it says no,
-nothing reaches the tool and the call is `not_sent`."""
+nothing reaches the tool, the call is `not_sent`, and the connection is closed."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from multidict import CIMultiDict
@@ -44,5 +45,15 @@ async def test_a_withdrawn_call_never_reaches_the_tool(
         assert [r.path for r in upstream.requests] == (
             ["/api/warm"] if connection == "reused" else []
         )
+        # the connection it was asked on (the warm one, when reused) is neither pooled nor
+        # left open
+        assert upstream.port is not None and open_connections_to(upstream.port) == 0
     finally:
         await upstreams.close()
+
+
+def open_connections_to(port: int) -> int:
+    """Established TCP connections to 127.0.0.1:`port` from this host (Linux's table)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    remote = f"0100007F:{port:04X}"
+    return sum(1 for row in rows if row.split()[2] == remote and row.split()[3] == "01")

@@ -2,6 +2,7 @@
 the receipt's `session` object, when the watch cuts a session, the age rule that does not
 apply to open sessions; CDP discovery rewriting; and the policy fields and setting."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -232,8 +233,6 @@ class TestCdpDiscovery:
 
 
 def _json(body: bytes | None) -> object:
-    import json
-
     assert body is not None
     return json.loads(body)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.config.policy import Upstream
 from gateway.proxy.upstream import Upstreams, require_no_resend_switch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +57,12 @@ def test_without_the_switch_the_check_names_the_version_and_the_floor() -> None:
 
 @pytest.mark.usefixtures("without_switch")
 async def test_without_the_switch_no_upstream_session_is_opened() -> None:
-    upstreams = Upstreams({})
+    tool = Upstream(name="tool", url="http://127.0.0.1:9/api", mount="/tool", websocket=True)
+    upstreams = Upstreams({"tool": tool})
     with pytest.raises(RuntimeError, match=r"^aiohttp 3\.10\.11 is installed"):
         await upstreams.open()
+    # none for its calls, none for its WebSocket sessions
+    assert upstreams._sessions == {} and upstreams._ws_sessions == {}
 
 
 def test_serve_without_the_switch_exits_2_with_one_line(tmp_path: Path) -> None:
