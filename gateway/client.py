@@ -10,6 +10,8 @@
             async with await lease.websocket("/cdp/devtools/browser") as ws:  # a fenced session
                 await ws.send_str('{"id": 1, "method": "Browser.getVersion"}')
             # Playwright over CDP: connect_over_cdp(url, headers=lease.cdp_headers())
+            # MCP: headers=lease.mcp_headers() on the client's HTTP connection, or
+            # call_tool(..., meta=lease.mcp_meta()) on each tool call
     # LeaseHeld: the acquire gave up after acquire_timeout_s of polite retries.
     # LeaseLost: renewal failed or the local deadline passed; raised before any byte is sent.
     # GatewayError: any other problem+json the gateway answered (code = docs/contract.md §5 code).
@@ -45,6 +47,8 @@ from urllib.parse import quote
 
 import aiohttp
 from multidict import CIMultiDictProxy
+
+from gateway.core.mcp import LEASE_META_KEY
 
 API = "/_gateway/v1"
 RENEW_FRACTION = 1 / 3  # renew at about a third of the TTL: two more chances before expiry
@@ -142,6 +146,17 @@ def fenced_headers(resource: str, fence: int, owner: str | None = None) -> dict[
     if owner is not None:
         headers["X-Lease-Owner"] = owner
     return headers
+
+
+def mcp_meta(resource: str, fence: int, owner: str | None = None) -> dict[str, Any]:
+    """The `_meta` entry that carries a lease in an MCP tool call (docs/contract.md §16), for
+    fences issued elsewhere: `call_tool(name, args, meta=mcp_meta(...))`. The gateway checks
+    it as it checks the headers, and removes it before the MCP server sees the call."""
+    fenced_headers(resource, fence, owner)  # the same checks of the fence
+    entry: dict[str, Any] = {"resource": resource, "fence": fence}
+    if owner is not None:
+        entry["owner"] = owner
+    return {LEASE_META_KEY: entry}
 
 
 def renew_delay(ttl_s: float, rng: random.Random | None = None) -> float:
@@ -549,6 +564,27 @@ class Lease:
             **fenced_headers(self.resource, self.fence, self.owner),
             **self._client.proxy_headers(),
         }
+
+    def mcp_headers(self) -> dict[str, str]:
+        """The HTTP headers that bind an MCP client's tool calls to this lease, for clients
+        that take headers once per connection (the SDK's `httpx` client, an agent framework's
+        server entry). The gateway fences the tool calls its rules name and passes every
+        other message (docs/contract.md §16). A connection outlives the local check: once the
+        lease is lost the gateway refuses its tool calls (a JSON-RPC error, code -31050).
+        LeaseLost when this lease can no longer act."""
+        self.check()
+        return {
+            **fenced_headers(self.resource, self.fence, self.owner),
+            **self._client.proxy_headers(),
+        }
+
+    def mcp_meta(self) -> dict[str, Any]:
+        """The `_meta` of one MCP tool call that carries this lease:
+        `await session.call_tool(name, args, meta=lease.mcp_meta())`. Asked per call, so a
+        lost lease raises LeaseLost before the call is sent; the gateway removes the entry
+        before the MCP server sees the call (docs/contract.md §16)."""
+        self.check()
+        return mcp_meta(self.resource, self.fence, self.owner)
 
     async def websocket(self, path: str, **kwargs: Any) -> aiohttp.ClientWebSocketResponse[Any]:
         """A fenced session (docs/contract.md §15): a WebSocket through the gateway bound to

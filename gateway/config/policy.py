@@ -14,6 +14,7 @@ from urllib.parse import quote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.core.globs import glob_matches, valid_glob
+from gateway.core.mcp import tool_matches, valid_tool_glob
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -71,6 +72,8 @@ class Upstream(_Model):
     cdp: bool = False
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_idle_timeout_s: float = Field(300, gt=0)
+    # An MCP server (docs/contract.md §16): fenced per tool call, by its rules' `tools`.
+    mcp: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -79,6 +82,11 @@ class Upstream(_Model):
             if data.get("websocket") is False:
                 raise ValueError("cdp: true implies websocket: true; leave websocket out")
             data = {**data, "websocket": True}
+        if isinstance(data, dict) and data.get("mcp") is True and data.get("websocket") is True:
+            raise ValueError(
+                "mcp: true speaks Streamable HTTP (POST, GET, DELETE): websocket and cdp "
+                "do not apply to it"
+            )
         return data
 
     @field_validator("url")
@@ -248,6 +256,26 @@ class ResourceRule(_Model):
     idempotency: Idempotency = Field(default_factory=Idempotency)
     on_expiry: CallTemplate | None = None
     probe: CallTemplate | None = None
+    # MCP upstreams only (docs/contract.md §16): the tool calls this rule fences, as globs
+    # (`*` any run of characters).
+    tools: tuple[str, ...] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError(
+                "at least one tool glob: a rule fencing no tool leaves every call unfenced"
+            )
+        for pattern in value:
+            if not valid_tool_glob(pattern):
+                raise ValueError(
+                    f"{pattern!r} is not a tool glob: 1 to 128 visible ASCII characters, "
+                    "* for any run of them"
+                )
+        return value
 
     @field_validator("fenced_methods")
     @classmethod
@@ -268,6 +296,9 @@ class ResourceRule(_Model):
 
     def covers(self, resource: str) -> bool:
         return glob_matches(self.match, resource)
+
+    def fences_tool(self, tool: str) -> bool:
+        return self.tools is not None and tool_matches(self.tools, tool)
 
 
 class PolicyFile(_Model):
@@ -305,6 +336,17 @@ class PolicySet:
     def rule_for(self, upstream: str, resource: str) -> ResourceRule | None:
         for rule in self.rules_of.get(upstream, ()):
             if rule.covers(resource):
+                return rule
+        return None
+
+    def fences_tool(self, upstream: str, tool: str) -> bool:
+        """Whether a tool call of an MCP upstream is fenced: some rule's `tools` match it."""
+        return any(rule.fences_tool(tool) for rule in self.rules_of.get(upstream, ()))
+
+    def tool_rule(self, upstream: str, resource: str, tool: str) -> ResourceRule | None:
+        """The first rule of an MCP upstream that covers both the resource and the tool."""
+        for rule in self.rules_of.get(upstream, ()):
+            if rule.covers(resource) and rule.fences_tool(tool):
                 return rule
         return None
 

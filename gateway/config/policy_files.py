@@ -42,6 +42,7 @@ def load_policies(
     upstreams: list[Upstream] = []
     rules: list[ResourceRule] = []
     seen: dict[tuple[str, str], str] = {}  # (kind, value) -> file:line of first use
+    places: list[str] = []  # each rule's file:line, in the order of `rules`
     for file in policy_files(path):
         source = YamlFile(file)
         parsed = source.validate(PolicyFile)
@@ -58,6 +59,7 @@ def load_policies(
         rules.extend(parsed.resources)
         for index, rule in enumerate(parsed.resources):
             where = source.where("resources", index)
+            places.append(f"{where}: resources[{index}]")
             _rule_checks(rule, (where, index), env, warnings)
     names = {u.name for u in upstreams}
     for rule in rules:
@@ -66,6 +68,7 @@ def load_policies(
                 f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
                 f" which no policy file declares (known: {sorted(names)})"
             )
+    mcp_checks(upstreams, rules, places)
     if warnings is not None:
         # Allowed (a read-only tool needs no fencing), but it fails open: say so at start.
         ruled = {rule.upstream for rule in rules}
@@ -88,6 +91,29 @@ def load_policies(
         if r.lease.hmac_secret_env
     }
     return PolicySet(upstreams, rules, secrets)
+
+
+def mcp_checks(upstreams: list[Upstream], rules: list[ResourceRule], places: list[str]) -> None:
+    """An MCP upstream's rules say which tools they fence (docs/contract.md §16), and only
+    its rules do: a rule of an MCP upstream fences tool calls, never methods."""
+    mcp = {u.name for u in upstreams if u.mcp}
+    for rule, place in zip(rules, places, strict=True):
+        if rule.upstream in mcp:
+            if rule.tools is None:
+                raise PolicyError(
+                    f"{place}.tools: upstream {rule.upstream} is an MCP server (mcp: true): "
+                    'its rules name the tool calls they fence, e.g. tools: ["send_*"]'
+                )
+            if "fenced_methods" in rule.model_fields_set:
+                raise PolicyError(
+                    f"{place}.fenced_methods: upstream {rule.upstream} is an MCP server: its "
+                    "rules fence tool calls (tools), not methods"
+                )
+        elif rule.tools is not None:
+            raise PolicyError(
+                f"{place}.tools: upstream {rule.upstream} is not an MCP server: tools applies "
+                "to upstreams with mcp: true only"
+            )
 
 
 def _rule_checks(

@@ -36,3 +36,6 @@ SESSIONS: web.AppKey[OpenSessions] = web.AppKey("sessions")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 CLIENT: web.RequestKey[Client] = web.RequestKey("client")
 FLOW: web.RequestKey[Flow] = web.RequestKey("flow")
+# A POST to an MCP upstream is answered in JSON-RPC (docs/contract.md §16): the request's
+# JSON-RPC id once read, for the error answers; absent until then (an error answers id null).
+JSONRPC_ID: web.RequestKey[str | int | None] = web.RequestKey("jsonrpc_id")

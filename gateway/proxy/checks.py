@@ -14,6 +14,7 @@ import logging
 from hashlib import sha256
 
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors
@@ -23,15 +24,30 @@ from gateway.proxy.flow import Flow
 from gateway.store.base import Refused
 
 
-def rule_of(request: web.Request, flow: Flow, upstream: Upstream) -> ResourceRule:
-    """Step 2: the resource, its rule and the client's scope, before the fence is looked at."""
-    flow.resource = resource = headers.parse_resource(request.headers)
+def rule_of(
+    request: web.Request,
+    flow: Flow,
+    upstream: Upstream,
+    presented: CIMultiDictProxy[str] | None = None,
+    tool: str | None = None,
+) -> ResourceRule:
+    """Step 2: the resource, its rule and the client's scope, before the fence is looked at.
+    `presented`: where the lease is, when not in the request's headers (an MCP tool call's
+    `_meta`); `tool`: an MCP tool call's rule covers its tool too (docs/contract.md §16)."""
+    flow.resource = resource = headers.parse_resource(
+        request.headers if presented is None else presented
+    )
     client = request.get(appkeys.CLIENT)
     flow.client = client.name if client is not None else None
-    rule = request.app[appkeys.POLICIES].rule_for(upstream.name, resource)
+    policies = request.app[appkeys.POLICIES]
+    if tool is None:
+        rule = policies.rule_for(upstream.name, resource)
+    else:
+        rule = policies.tool_rule(upstream.name, resource, tool)
     if rule is None:
+        what = f"{resource!r}" if tool is None else f"{resource!r} and tool {tool!r}"
         raise errors.ResourceNotAllowed(
-            f"no resource rule of upstream {upstream.name} matches {resource!r}"
+            f"no resource rule of upstream {upstream.name} matches {what}"
         )
     if client is not None and not client.covers(resource):
         raise errors.Forbidden(f"client {flow.client} may not act on {resource!r}")
@@ -39,12 +55,18 @@ def rule_of(request: web.Request, flow: Flow, upstream: Upstream) -> ResourceRul
     return rule
 
 
-def check_signature(request: web.Request, rule: ResourceRule, flow: Flow) -> None:
-    """Step 4 for an external issuer with a secret: the fence's HMAC signature."""
+def check_signature(
+    request: web.Request,
+    rule: ResourceRule,
+    flow: Flow,
+    lease: CIMultiDictProxy[str] | None = None,
+) -> None:
+    """Step 4 for an external issuer with a secret: the fence's HMAC signature (in `lease`,
+    when the lease is not in the request's headers)."""
     env = rule.lease.hmac_secret_env
     if rule.lease.issuer != "external" or not env:
         return
-    presented = headers.parse_signature(request.headers) or ""
+    presented = headers.parse_signature(request.headers if lease is None else lease) or ""
     secret = request.app[appkeys.POLICIES].hmac_secrets[env]
     expected = hmac.new(secret, f"{flow.resource}\n{flow.fence}".encode(), sha256).hexdigest()
     # surrogateescape: header bytes that are not UTF-8 compare unequal instead of failing
@@ -52,12 +74,18 @@ def check_signature(request: web.Request, rule: ResourceRule, flow: Flow) -> Non
         raise errors.BadFenceSignature("X-Fence-Signature is missing or wrong")
 
 
-async def keep_rejection(request: web.Request, flow: Flow, error: errors.GatewayError) -> None:
-    """Leave a `rejected` receipt once resource and fence are readable; if the store is down
-    the client still gets `error`."""
+async def keep_rejection(
+    request: web.Request,
+    flow: Flow,
+    error: errors.GatewayError,
+    lease: CIMultiDictProxy[str] | None = None,
+) -> None:
+    """Leave a `rejected` receipt once resource and fence are readable (from `lease`, when
+    the lease is not in the request's headers); if the store is down the client still gets
+    `error`."""
     if flow.resource is not None and flow.fence is None:
         with contextlib.suppress(errors.GatewayError):  # step 2 failed: the fence, if any
-            flow.fence = headers.parse_fence(request.headers)
+            flow.fence = headers.parse_fence(request.headers if lease is None else lease)
     rejection = flow.rejection(error.code, error.status)
     if rejection is None:
         return

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.policy import ResourceRule, Upstream
+from gateway.core.mcp import McpRecord
 from gateway.core.receipts import Kind
 from gateway.store.base import Admitted, Call, Rejection
 
@@ -36,6 +37,7 @@ class Flow:
     replayed: bool = False  # answered from a stored answer
     kind: Kind = "call"  # "session": a WebSocket upgrade (docs/contract.md §15)
     session: dict[str, Any] = field(default_factory=dict)  # a session's end, for its log line
+    mcp: McpRecord | None = None  # an MCP tool call's tool and JSON-RPC id (§16)
 
     @property
     def receipt_id(self) -> str | None:
@@ -57,6 +59,7 @@ class Flow:
             code=code,
             http_status=http_status,
             kind=self.kind,
+            mcp=self.mcp,
         )
 
     def log_fields(self) -> dict[str, object]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import get_args
@@ -98,6 +98,18 @@ class Exchange:
     error: errors.GatewayError | None = None
 
 
+AnswerReader = Callable[[aiohttp.ClientResponse, float, float], Awaitable[tuple[Head, Outcome]]]
+"""(answer, deadline, forwarded_at) → what was read of the answer and the outcome it gives."""
+
+
+async def read_plain_answer(
+    rule: ResourceRule, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+) -> tuple[Head, Outcome]:
+    """docs/contract.md §3: the status decides; an answer that fits is kept for replay."""
+    head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
+    return head, head.outcome(forwarded_at)
+
+
 @asynccontextmanager
 async def forward(
     app: web.Application,
@@ -105,12 +117,15 @@ async def forward(
     place: Place,
     body: bytes | None,
     client: web.Request | None,
+    read_answer: AnswerReader | None = None,
 ) -> AsyncIterator[Exchange]:
     """From a durable `pending` receipt to a recorded outcome.
 
     `client` is the request being proxied (its headers go on, X-Forwarded-* are set), None
     for a call the gateway makes itself. The receipt counts as in flight here until the
-    exchange closes, so the sweeper never takes it for lost.
+    exchange closes, so the sweeper never takes it for lost. `read_answer` reads the answer
+    up to what decides its outcome (an MCP tool call's JSON-RPC answer, §16); by default the
+    status decides.
     """
     rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
     if rule is None or upstream is None or call is None or admitted is None:
@@ -167,10 +182,12 @@ async def forward(
             )
             return
         async with answer:
-            head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
+            if read_answer is None:
+                head, outcome = await read_plain_answer(rule, answer, deadline, forwarded_at)
+            else:
+                head, outcome = await read_answer(answer, deadline, forwarded_at)
             metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
             failpoints.crash_at("after_upstream")
-            outcome = head.outcome(forwarded_at)
             flow.status = head.status
             yield Exchange(
                 outcome, await record(app, receipt_id, outcome), deadline, head=head, answer=answer

@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors, idempotency
 from gateway.observe import logs
-from gateway.proxy import appkeys, cdp, checks, headers, sessions
+from gateway.proxy import appkeys, cdp, checks, headers, mcp, sessions
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.ordering import Place
@@ -46,6 +46,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     request[appkeys.FLOW] = flow
     if found.websocket:
         return await sessions.handle(request, flow, found.upstream)
+    if found.upstream.mcp:  # fenced per tool call, not per method (docs/contract.md §16)
+        return await mcp.handle(request, flow, found.upstream)
     if request.method in policies.fenced_methods[found.upstream.name]:
         return await _fenced(request, flow, found.upstream)
     return await _plain(request, flow, found.upstream)

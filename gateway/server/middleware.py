@@ -12,8 +12,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.core import errors
+from gateway.core import mcp as mcp_decisions
 from gateway.observe import logs
-from gateway.proxy import appkeys, headers
+from gateway.proxy import appkeys, headers, mcp
 
 PROBLEM_TYPE = "application/problem+json"
 
@@ -27,9 +28,10 @@ _HTTP_EXCEPTIONS: dict[int, type[errors.GatewayError]] = {
 }
 
 
-def problem_response(
+def problem_document(
     error: errors.GatewayError, request_id: str | None, presented: dict[str, Any] | None = None
-) -> web.Response:
+) -> dict[str, Any]:
+    """The RFC 9457 problem object of `error`."""
     document: dict[str, Any] = {
         "type": f"urn:fence-gateway:{error.code}",
         "title": error.title,
@@ -42,9 +44,39 @@ def problem_response(
             document[name] = presented[name]
     document["request_id"] = request_id
     document.update(error.extra)
+    return document
+
+
+def problem_response(
+    error: errors.GatewayError, request_id: str | None, presented: dict[str, Any] | None = None
+) -> web.Response:
+    document = problem_document(error, request_id, presented)
     response = web.Response(
         status=error.status, text=json.dumps(document), content_type=PROBLEM_TYPE
     )
+    return _with_error_headers(response, error, request_id)
+
+
+def jsonrpc_error_response(
+    error: errors.GatewayError,
+    request_id: str | None,
+    presented: dict[str, Any] | None,
+    jsonrpc_id: str | int | None,
+) -> web.Response:
+    """The same refusal for an MCP client (docs/contract.md §16): the HTTP status of §5, a
+    JSON-RPC error with the request's id and the problem object as its `data`."""
+    document = problem_document(error, request_id, presented)
+    response = web.Response(
+        status=error.status,
+        body=mcp_decisions.error_response(jsonrpc_id, document),
+        content_type="application/json",
+    )
+    return _with_error_headers(response, error, request_id)
+
+
+def _with_error_headers(
+    response: web.Response, error: errors.GatewayError, request_id: str | None
+) -> web.Response:
     response.headers.update(error.headers)
     if request_id:
         response.headers[headers.REQUEST_ID_HEADER] = request_id
@@ -76,7 +108,11 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
     fields = flow.log_fields() if flow is not None else None
     replayed = flow is not None and flow.replayed
     if error is not None:
-        response = problem_response(error, request_id, fields)
+        if mcp.answers_in_jsonrpc(request):
+            jsonrpc_id = request.get(appkeys.JSONRPC_ID)
+            response = jsonrpc_error_response(error, request_id, fields, jsonrpc_id)
+        else:
+            response = problem_response(error, request_id, fields)
     if not request.path.startswith("/_gateway/"):
         _count(request, error, fields or {}, replayed)
     if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):

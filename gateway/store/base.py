@@ -17,6 +17,7 @@ from gateway.core.cleanups import CleanupClaim, OwedCleanup
 from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.leases import Lease, Release
+from gateway.core.mcp import McpRecord
 from gateway.core.outcomes import Completion, Outcome
 from gateway.core.receipts import Kind, ReceiptStatus, ReconcileWaits, Resolution
 from gateway.core.sessions import FenceState, SessionRecord
@@ -31,6 +32,7 @@ __all__ = [
     "Completion",
     "FenceState",
     "Lease",
+    "McpRecord",
     "Outcome",
     "OwedCleanup",
     "Receipt",
@@ -67,6 +69,7 @@ class Call:
     clients_configured: bool = False
     serial: bool = False  # its rule's `concurrency: serial`: one call at a time
     kind: Kind = "call"
+    mcp: McpRecord | None = None  # an MCP tool call's tool and JSON-RPC id (§16)
 
     def rejection(self, owner: str | None, code: str) -> Rejection:
         """The `rejected` receipt admission keeps when it refuses this call with `code`:
@@ -83,6 +86,7 @@ class Call:
             code=code,
             http_status=BY_CODE[code].status,
             kind=self.kind,
+            mcp=self.mcp,
         )
 
 
@@ -134,6 +138,7 @@ class Rejection:
     code: str
     http_status: int
     kind: Kind = "call"
+    mcp: McpRecord | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +168,7 @@ class Receipt:
     resolution: dict[str, Any] | None
     kind: Kind = "call"
     session: dict[str, Any] | None = None  # SessionRecord.to_json(), as stored
+    mcp: dict[str, Any] | None = None  # McpRecord.to_json(), as stored
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -189,6 +195,7 @@ class Receipt:
             "resolution": self.resolution,
             "kind": self.kind,
             "session": self.session,
+            "mcp": self.mcp,
         }
 
 

@@ -58,6 +58,7 @@ from gateway.store.rows import (
     key_state,
     lease_of,
     lost_receipts,
+    mcp_json,
     outcome_columns,
     owed_cleanup_of,
     owed_cleanup_rows,
@@ -70,7 +71,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -130,9 +131,9 @@ _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resou
 _INSERT_REJECTED = (
     "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
     "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-    "completed_at, instance, kind) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
+    "completed_at, instance, kind, mcp) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
     f"'rejected', $11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14, "
-    "$15)"
+    "$15, $16)"
 )
 # A refusal at the idempotency step still advances the fence (docs/contract.md §3, step 6).
 _ADVANCE_AND_REJECT = (
@@ -154,8 +155,9 @@ _ADMIT = (
     "VALUES ($1, $9, $2, $14, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
     "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, expires_at = NULL), "
     "r AS (INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-    "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, turn) "
-    "SELECT $2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13, f.turn "
+    "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, turn, "
+    "mcp) SELECT $2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13, "
+    "f.turn, $16 "
     "FROM f) "
     "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
@@ -489,6 +491,7 @@ class PostgresStore:
             instance := self.instance,
             call.retention_s,
             1 if call.serial else 0,
+            mcp_json(call.mcp),
         )
         return Admitted(
             receipt_id,
@@ -544,6 +547,7 @@ class PostgresStore:
             now,
             self.instance,
             rejection.kind,
+            mcp_json(rejection.mcp),
         )
 
     async def reject(self, rejection: Rejection) -> str:

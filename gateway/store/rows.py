@@ -16,6 +16,7 @@ from typing import Any
 from gateway.core.cleanups import OwedCleanup
 from gateway.core.idempotency import KeyState
 from gateway.core.leases import Lease
+from gateway.core.mcp import McpRecord
 from gateway.core.outcomes import Outcome
 from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost
 from gateway.core.sessions import SessionRecord
@@ -46,6 +47,7 @@ RECEIPT_COLUMNS = (
     "resolution",
     "kind",
     "session",
+    "mcp",
 )
 
 RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
@@ -130,7 +132,7 @@ def lost_receipts(
 def receipt_of(row: Mapping[str, Any]) -> Receipt:
     values = {name: row[name] for name in RECEIPT_COLUMNS}
     values["late"] = bool(values["late"])
-    for name in ("resolution", "session"):
+    for name in ("resolution", "session", "mcp"):
         if isinstance(values[name], str):
             values[name] = json.loads(values[name])
     return Receipt(**values)
@@ -138,6 +140,11 @@ def receipt_of(row: Mapping[str, Any]) -> Receipt:
 
 def session_json(record: SessionRecord | None) -> str | None:
     """A receipt's `session` column."""
+    return json.dumps(record.to_json()) if record is not None else None
+
+
+def mcp_json(record: McpRecord | None) -> str | None:
+    """A receipt's `mcp` column (docs/contract.md §16)."""
     return json.dumps(record.to_json()) if record is not None else None
 
 

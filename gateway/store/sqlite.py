@@ -55,6 +55,7 @@ from gateway.store.rows import (
     key_state,
     lease_of,
     lost_receipts,
+    mcp_json,
     outcome_columns,
     owed_cleanup_of,
     owed_cleanup_rows,
@@ -68,7 +69,7 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -307,7 +308,7 @@ class SqliteStore:
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, "
-            "kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
+            "kind, mcp) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?)",
             (
                 receipt_id,
                 call.resource,
@@ -324,6 +325,7 @@ class SqliteStore:
                 now,
                 self.instance,
                 call.kind,
+                mcp_json(call.mcp),
             ),
         )
         return receipt_id
@@ -360,8 +362,8 @@ class SqliteStore:
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-            "completed_at, instance, kind) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?, ?)",
+            "completed_at, instance, kind, mcp) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?, ?, ?)",
             (
                 receipt_id,
                 rejection.resource,
@@ -379,6 +381,7 @@ class SqliteStore:
                 now,
                 self.instance,
                 rejection.kind,
+                mcp_json(rejection.mcp),
             ),
         )
         return receipt_id

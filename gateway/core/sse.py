@@ -1,0 +1,86 @@
+"""Server-sent events (the `text/event-stream` format of the HTML standard), cut into whole
+events as bytes arrive, so that an MCP answer streamed as SSE can be relayed event by event
+and the event that answers a tool call found before it is passed on (docs/contract.md §16).
+
+An event's raw bytes are kept as they came, to be passed on unchanged; its `data` lines are
+joined as the standard says. Lines end with CR LF, LF or CR; an empty line ends an event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    raw: bytes  # the event's bytes, its closing empty line included
+    event: str | None  # the `event:` field, None when absent
+    data: str | None  # the `data:` lines joined by LF; None when there were none
+
+
+class EventTooLarge(ValueError):
+    """An event grew past the splitter's limit before it ended."""
+
+
+@dataclass(slots=True)
+class SseSplitter:
+    """Feed it bytes; it returns the events they complete. `max_event_bytes` bounds what is
+    held while an event is incomplete."""
+
+    max_event_bytes: int
+    _buffer: bytearray = field(default_factory=bytearray)
+    _pos: int = 0  # where the next line starts in the buffer
+    _event: str | None = None
+    _data: list[str] | None = None
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        self._buffer += chunk
+        events: list[SseEvent] = []
+        buffer = self._buffer
+        while True:
+            end, after = _line_end(buffer, self._pos)
+            if end < 0:
+                break
+            line = bytes(buffer[self._pos : end])
+            self._pos = after
+            if line:
+                self._field(line)
+                continue
+            events.append(SseEvent(bytes(buffer[:after]), self._event, self._joined()))
+            del buffer[:after]
+            self._pos, self._event, self._data = 0, None, None
+        if len(buffer) > self.max_event_bytes:
+            raise EventTooLarge(f"an event is longer than {self.max_event_bytes} bytes")
+        return events
+
+    def rest(self) -> bytes:
+        """What was fed after the last whole event (at the end of a stream: a cut event)."""
+        return bytes(self._buffer)
+
+    def _field(self, line: bytes) -> None:
+        if line.startswith(b":"):
+            return  # a comment
+        name, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        text = value.decode("utf-8", "replace")
+        if name == b"data":
+            self._data = [*(self._data or []), text]
+        elif name == b"event":
+            self._event = text
+
+    def _joined(self) -> str | None:
+        return "\n".join(self._data) if self._data is not None else None
+
+
+def _line_end(buffer: bytearray, start: int) -> tuple[int, int]:
+    """(end of the line starting at `start`, start of the next); (-1, -1) while the line is
+    incomplete. A CR at the very end waits: an LF may follow in the next chunk."""
+    cr, lf = buffer.find(b"\r", start), buffer.find(b"\n", start)
+    if lf >= 0 and (cr < 0 or lf < cr):
+        return lf, lf + 1
+    if cr < 0:
+        return -1, -1
+    if cr + 1 == len(buffer):
+        return -1, -1
+    return cr, cr + 2 if buffer[cr + 1] == 0x0A else cr + 1

@@ -1,0 +1,412 @@
+"""MCP servers (docs/contract.md §16): every message is a POST to one endpoint, so the gateway
+reads each one and fences the tool calls its rules name, one by one.
+
+A fenced tool call takes the call path every fenced call takes (`gateway.proxy.checks`,
+`forward.admit`, `forward.forward`), with three differences: its lease may travel in
+`params._meta` instead of headers, its idempotency key and fingerprint come from the tool and
+its canonical arguments, and its outcome comes from the JSON-RPC answer, which may be a
+stream of server-sent events. Refusals are JSON-RPC errors (the server edge writes them,
+`answers_in_jsonrpc`); a replay is the stored answer under the retrying request's id.
+
+Everything else (`initialize`, `tools/list`, notifications, the 2025 revisions' GET streams
+and DELETE) passes unfenced, with its stream left open as long as both sides keep it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.config.policy import ResourceRule, Upstream
+from gateway.core import errors, idempotency
+from gateway.core import mcp as jsonrpc
+from gateway.core.outcomes import Outcome
+from gateway.core.sse import EventTooLarge, SseEvent, SseSplitter
+from gateway.proxy import appkeys, checks, headers
+from gateway.proxy.flow import Flow
+from gateway.proxy.forward import admit, forward, take_turn
+from gateway.proxy.relay import (
+    Head,
+    RelayedResponse,
+    read_body,
+    response_headers,
+    stream_back,
+    upstream_headers,
+)
+from gateway.proxy.upstream import UpstreamFailure
+from gateway.store.base import Call, Refused, Replayed
+
+_PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
+_LEASE_HEADERS = (headers.RESOURCE_HEADER, headers.FENCE_HEADER)
+
+
+def answers_in_jsonrpc(request: web.Request) -> bool:
+    """Whether the gateway's own errors on this request are JSON-RPC errors: a POST to an MCP
+    upstream, whose client reads JSON-RPC and not problem+json."""
+    if request.method != "POST" or request.path.startswith("/_gateway/"):
+        return False
+    flow = request.get(appkeys.FLOW)
+    if flow is not None:
+        return flow.upstream is not None and flow.upstream.mcp
+    found = request.app[appkeys.POLICIES].route(request.raw_path.partition("?")[0])
+    return found is not None and found[0].mcp
+
+
+async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
+    """Any request to an MCP upstream."""
+    settings = request.app[appkeys.SETTINGS]
+    body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
+    if request.method != "POST":
+        return await _unfenced(request, flow, upstream, body)
+    message = jsonrpc.read_message(
+        body,
+        headers.single(request.headers, jsonrpc.METHOD_HEADER, errors.InvalidRequest),
+        headers.single(request.headers, jsonrpc.NAME_HEADER, errors.InvalidRequest),
+    )
+    request[appkeys.JSONRPC_ID] = message.id
+    sent = message.stripped_body if message.stripped_body is not None else body
+    policies = request.app[appkeys.POLICIES]
+    if isinstance(message, jsonrpc.OtherMessage) or not policies.fences_tool(
+        upstream.name, message.tool
+    ):
+        return await _unfenced(request, flow, upstream, sent)
+    return await _fenced(request, flow, upstream, message, sent)
+
+
+# -- unfenced messages -----------------------------------------------------------------------
+
+
+async def _unfenced(
+    request: web.Request, flow: Flow, upstream: Upstream, body: bytes
+) -> web.StreamResponse:
+    """Passed on without admission or receipt, the fencing headers stripped. `timeout_s`
+    bounds the wait for the answer's head only: a stream stays open until a side closes it."""
+    app = request.app
+    sent = upstream_headers(
+        request,
+        upstream,
+        _PLAIN_DROP,
+        {headers.REQUEST_ID_HEADER: flow.request_id},
+        app[appkeys.SETTINGS].trusted_networks,
+    )
+    framed = request.content_length is not None or "Transfer-Encoding" in request.headers
+    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
+    try:
+        answer = await app[appkeys.UPSTREAMS].send(
+            upstream, request.method, flow.rest, sent, body if framed or body else None, deadline
+        )
+    except UpstreamFailure as failure:
+        raise failure.error from None
+    async with answer:
+        flow.status = answer.status
+        response = _relayed(answer, {headers.REQUEST_ID_HEADER: flow.request_id})
+        try:
+            await response.prepare(request)
+        except ConnectionError:
+            return response
+        await _relay_rest(request, response, answer, b"")
+    return response
+
+
+def _relayed(answer: aiohttp.ClientResponse, extra: dict[str, str]) -> web.StreamResponse:
+    """A response with the upstream's status and headers (hop-by-hop removed) and `extra`."""
+    response = RelayedResponse(status=answer.status)
+    for name, value in response_headers(answer):
+        response.headers.add(name, value)
+    for name, value in extra.items():
+        response.headers[name] = value
+    return response
+
+
+async def _relay_rest(
+    request: web.Request, response: web.StreamResponse, answer: aiohttp.ClientResponse, first: bytes
+) -> None:
+    """`first`, then the rest of the answer as it comes, until either side ends it."""
+    try:
+        if first:
+            await response.write(first)
+        while chunk := await answer.content.readany():
+            await response.write(chunk)
+        await response.write_eof()
+        return
+    except ConnectionError:
+        pass  # the client left: an unfenced stream may close; a tool call's outcome is kept
+    except (aiohttp.ClientError, OSError):
+        pass  # the tool's side broke: the client can only learn it from a cut connection
+    if request.transport is not None:
+        request.transport.abort()
+
+
+# -- fenced tool calls -----------------------------------------------------------------------
+
+
+async def _fenced(
+    request: web.Request, flow: Flow, upstream: Upstream, call: jsonrpc.ToolCall, body: bytes
+) -> web.StreamResponse:
+    app = request.app
+    flow.mcp = jsonrpc.McpRecord(call.tool, call.id)
+    lease = _lease_of(request, call)
+    try:
+        rule = checks.rule_of(request, flow, upstream, lease, call.tool)
+        flow.fence = headers.parse_fence(lease)
+        flow.owner = headers.parse_owner(lease)
+        client_key = headers.parse_idempotency_key(request.headers)
+        if client_key is None and rule.idempotency.key == "require":
+            raise errors.MissingIdempotencyKey("this resource requires an Idempotency-Key")
+        checks.check_signature(request, rule, flow, lease)
+    except errors.GatewayError as error:
+        await checks.keep_rejection(request, flow, error, lease)
+        raise
+    resource, fence = flow.resource or "", flow.fence
+    key = client_key or (
+        idempotency.random_key()
+        if rule.idempotency.key == "random"
+        else jsonrpc.derived_key(resource, call)
+    )
+    admission = Call(
+        resource=resource,
+        fence=fence,
+        owner=flow.owner,
+        client=flow.client,
+        upstream=upstream.name,
+        method=flow.method,
+        path=flow.rest,
+        issuer=rule.lease.issuer,
+        idempotency_key=key,
+        fingerprint=jsonrpc.fingerprint(flow.request_target, call),
+        retry_statuses=rule.idempotency.retry_statuses,
+        retention_s=rule.idempotency.retention_s,
+        clients_configured=app[appkeys.CLIENTS] is not None,
+        serial=rule.concurrency == "serial",
+        mcp=flow.mcp,
+    )
+    flow.call = admission
+    async with app[appkeys.LANES].join(resource) as place:
+        try:
+            await take_turn(rule, resource, place)
+        except errors.GatewayError as error:
+            await checks.keep_rejection(request, flow, error, lease)
+            raise
+        if request.transport is None or request.transport.is_closing():
+            raise errors.InvalidRequest("the client went away before admission")
+        result = await admit(app, admission, place)
+        if isinstance(result, Refused):
+            raise checks.error_for(result)
+        told = {
+            headers.RECEIPT_HEADER: result.receipt_id,
+            headers.REQUEST_ID_HEADER: flow.request_id,
+            headers.IDEMPOTENCY_HEADER: key,
+            headers.FENCE_HEADER: str(fence),
+        }
+        if isinstance(result, Replayed):
+            return await _replay(request, flow, call, result, told)
+        flow.admitted = result
+        reader = _AnswerReader(request, call, rule, upstream, told)
+        async with forward(app, flow, place, body, request, reader.read) as exchange:
+            if not exchange.recorded:
+                told["X-Receipt-Outcome"] = "unrecorded"
+            if exchange.head is None:
+                failed = exchange.error or errors.GatewayError()
+                failed.headers.update(told)
+                raise failed
+            if reader.streaming is not None:
+                return await reader.finish(exchange.head, exchange.answer)
+            if reader.failure is not None:
+                reader.failure.headers.update(told)
+                raise reader.failure
+            response, _ = await stream_back(
+                request, exchange.head, exchange.answer, told, exchange.deadline
+            )
+        return response
+
+
+def _lease_of(request: web.Request, call: jsonrpc.ToolCall) -> CIMultiDictProxy[str]:
+    """The headers alone count when they carry a lease; else `params._meta`'s, if any."""
+    if call.lease_entry is None or any(name in request.headers for name in _LEASE_HEADERS):
+        return request.headers
+    return CIMultiDictProxy(CIMultiDict(jsonrpc.lease_headers(call.lease_entry)))
+
+
+async def _replay(
+    request: web.Request,
+    flow: Flow,
+    call: jsonrpc.ToolCall,
+    replayed: Replayed,
+    told: dict[str, str],
+) -> web.StreamResponse:
+    """The stored answer, its JSON-RPC id the retrying request's."""
+    flow.replayed = True
+    body = jsonrpc.with_id(replayed.body, call.id) or replayed.body
+    kept = [(k, v) for k, v in replayed.headers if k.lower() != "content-length"]
+    head = Head(
+        replayed.status,
+        [*kept, ("Content-Length", str(len(body)))],
+        body,
+        complete=True,
+        broken=False,
+    )
+    response, _ = await stream_back(
+        request,
+        head,
+        None,
+        {"Idempotent-Replayed": "true", **told},
+        deadline=asyncio.get_running_loop().time() + request.app[appkeys.SETTINGS].body_timeout_s,
+    )
+    return response
+
+
+# -- the answer of a fenced tool call --------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _AnswerReader:
+    """Reads a tool call's answer up to the JSON-RPC response that decides its outcome
+    (`forward`'s `read_answer`).
+
+    A JSON answer is read whole (within `max_body_bytes`) before anything goes back. An SSE
+    answer is relayed event by event as it comes; the event that answers the call is held
+    until its outcome is recorded, then `finish` passes it and the rest on. The stream is
+    read on when the client leaves: MCP takes a closed stream for a cancellation, and an
+    admitted call is not cancelled.
+    """
+
+    request: web.Request
+    call: jsonrpc.ToolCall
+    rule: ResourceRule
+    upstream: Upstream
+    told: dict[str, str]
+    streaming: web.StreamResponse | None = None  # the client's SSE response, once started
+    failure: errors.GatewayError | None = None  # a JSON answer that did not arrive whole
+    client_gone: bool = False
+    held: list[bytes] = field(default_factory=list)  # the answering event and what followed
+
+    async def read(
+        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+    ) -> tuple[Head, Outcome]:
+        content_type = answer.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if 200 <= answer.status < 300 and content_type == "text/event-stream":
+            return await self._read_events(answer, deadline, forwarded_at)
+        return await self._read_json(answer, deadline, forwarded_at)
+
+    async def _read_json(
+        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+    ) -> tuple[Head, Outcome]:
+        limit = max(self.upstream.max_body_bytes, self.rule.idempotency.replay_max_bytes)
+        chunks, size = [], 0
+        lost: errors.GatewayError | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                while size <= limit and (chunk := await answer.content.read(limit + 1 - size)):
+                    chunks.append(chunk)
+                    size += len(chunk)
+        except TimeoutError:
+            lost = errors.UpstreamTimeout(
+                f"upstream {self.upstream.name} did not answer within "
+                f"{self.upstream.timeout_s}s; the tool call may have been applied"
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            lost = errors.UpstreamOutcomeUnknown(
+                f"upstream {self.upstream.name} broke its answer off ({type(exc).__name__}); "
+                "the tool call may have been applied"
+            )
+        body = b"".join(chunks)
+        kept = response_headers(answer)
+        complete = lost is None and answer.content.at_eof()
+        head = Head(answer.status, kept, body, complete=complete, broken=False)
+        if lost is not None:
+            self.failure = lost
+            return head, Outcome("outcome_unknown", error=lost.code, forwarded_at=forwarded_at)
+        if not 200 <= answer.status < 300:  # the server refused it: docs/contract.md §3
+            return head, head.outcome(forwarded_at)
+        outcome = (
+            jsonrpc.answer_outcome(jsonrpc.parse_json(body), self.call.id) if complete else None
+        )
+        if outcome is None:  # 2xx, but no readable answer to this call: it may have acted
+            return head, Outcome(
+                "outcome_unknown",
+                http_status=answer.status,
+                error="no_jsonrpc_answer",
+                forwarded_at=forwarded_at,
+            )
+        stored = (kept, body) if len(body) <= self.rule.idempotency.replay_max_bytes else None
+        return head, Outcome(
+            outcome, http_status=answer.status, forwarded_at=forwarded_at, response=stored
+        )
+
+    async def _read_events(
+        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+    ) -> tuple[Head, Outcome]:
+        kept = response_headers(answer)
+        self.streaming = response = _relayed(answer, self.told)
+        try:
+            await response.prepare(self.request)
+        except ConnectionError:
+            self.client_gone = True
+        splitter = SseSplitter(max_event_bytes=self.upstream.max_body_bytes)
+        error = "response_incomplete"
+        try:
+            async with asyncio.timeout_at(deadline):
+                while chunk := await answer.content.readany():
+                    events = splitter.feed(chunk)
+                    for index, event in enumerate(events):
+                        outcome = self._outcome_of(event)
+                        if outcome is not None:
+                            self.held = [e.raw for e in events[index:]] + [splitter.rest()]
+                            stored = self._stored(event)
+                            head = Head(answer.status, kept, b"", complete=False, broken=False)
+                            return head, Outcome(
+                                outcome,
+                                http_status=answer.status,
+                                forwarded_at=forwarded_at,
+                                response=stored,
+                            )
+                        await self._pass_on(event.raw)
+        except TimeoutError:
+            error = "upstream_timeout"
+        except (aiohttp.ClientError, OSError):
+            error = "response_incomplete"
+        except EventTooLarge:
+            error = "event_too_large"
+        # the stream ended or broke before the call was answered: it may have acted
+        head = Head(answer.status, kept, b"", complete=False, broken=True)
+        return head, Outcome(
+            "outcome_unknown", http_status=answer.status, error=error, forwarded_at=forwarded_at
+        )
+
+    def _outcome_of(self, event: SseEvent) -> jsonrpc.AnswerOutcome | None:
+        if event.data is None or event.event not in (None, "message"):
+            return None
+        return jsonrpc.answer_outcome(jsonrpc.parse_json(event.data), self.call.id)
+
+    def _stored(self, event: SseEvent) -> tuple[list[tuple[str, str]], bytes] | None:
+        """The answering event's JSON-RPC response, kept for replay as a JSON answer."""
+        body = (event.data or "").encode()
+        if len(body) > self.rule.idempotency.replay_max_bytes:
+            return None
+        return [("Content-Type", "application/json")], body
+
+    async def _pass_on(self, raw: bytes) -> None:
+        if self.client_gone or self.streaming is None:
+            return
+        try:
+            await self.streaming.write(raw)
+        except ConnectionError:
+            self.client_gone = True  # read on: the outcome is still to be recorded
+
+    async def finish(self, head: Head, answer: aiohttp.ClientResponse | None) -> web.StreamResponse:
+        """After the outcome is recorded: the answering event, then the rest of the stream."""
+        response = self.streaming
+        if response is None:
+            raise ValueError("finish follows an SSE answer only")
+        if head.broken or answer is None:
+            if self.request.transport is not None:
+                self.request.transport.abort()  # a cut stream is all the client can be told
+            return response
+        if self.client_gone:
+            return response
+        await _relay_rest(self.request, response, answer, b"".join(self.held))
+        return response
