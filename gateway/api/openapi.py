@@ -190,6 +190,20 @@ _SCHEMAS: dict[str, Any] = {
                     },
                 ]
             },
+            "mcp": {
+                "description": "an MCP tool call's tool and JSON-RPC id (docs/contract.md §16)",
+                "oneOf": [
+                    {"type": "null"},
+                    {
+                        "type": "object",
+                        "required": ["tool", "jsonrpc_id"],
+                        "properties": {
+                            "tool": {"type": "string"},
+                            "jsonrpc_id": {"type": ["string", "integer"]},
+                        },
+                    },
+                ],
+            },
             "resolution": {
                 "oneOf": [
                     {"type": "null"},

@@ -78,13 +78,21 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return document
 
 
-_NOT_JSON = object()
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A POST's body, read: its JSON document (`NOT_JSON` when it is none) and the request
+    id an error answers with, when it has a usable one."""
+
+    document: Any
+    id: JsonRpcId | None
 
 
-def read_message(body: bytes, method_header: str | None, name_header: str | None) -> Message:
-    """What a POST to an MCP endpoint carries; `400 invalid_request` when it cannot be
-    fenced as it must: headers that disagree with the body, a batch holding a tool call, a
-    tool call that is no well-formed request."""
+NOT_JSON = object()
+
+
+def parse_body(body: bytes) -> Body:
+    """The JSON document of a POST; `400 invalid_request` for one another reader could read
+    as another message (a member named twice, nesting too deep to read)."""
     document: Any
     try:
         document = json.loads(body, object_pairs_hook=_no_duplicates)
@@ -93,7 +101,16 @@ def read_message(body: bytes, method_header: str | None, name_header: str | None
     except RecursionError:
         raise errors.InvalidRequest("the JSON body is nested too deeply to read") from None
     except ValueError:  # not JSON (JSONDecodeError, UnicodeDecodeError): the server says so
-        document = _NOT_JSON
+        return Body(NOT_JSON, None)
+    request_id = document.get("id") if isinstance(document, dict) else None
+    return Body(document, request_id if _is_id(request_id) else None)
+
+
+def read_message(parsed: Body, method_header: str | None, name_header: str | None) -> Message:
+    """What a POST to an MCP endpoint carries; `400 invalid_request` when it cannot be
+    fenced as it must: headers that disagree with the body, a batch holding a tool call, a
+    tool call that is no well-formed request."""
+    document = parsed.document
     method = document.get("method") if isinstance(document, dict) else None
     if method_header is not None and method_header != method:
         raise errors.InvalidRequest(
@@ -112,10 +129,7 @@ def read_message(body: bytes, method_header: str | None, name_header: str | None
     params = document.get("params")
     _check_name_header(method, params, name_header)
     if method != TOOLS_CALL:
-        request_id = document.get("id")
-        return OtherMessage(
-            request_id if _is_id(request_id) else None, _without_lease(document, params)
-        )
+        return OtherMessage(parsed.id, _without_lease(document, params))
     return _tool_call(document, params)
 
 

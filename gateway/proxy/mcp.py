@@ -62,12 +62,13 @@ async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
     if request.method != "POST":
         return await _unfenced(request, flow, upstream, body)
+    parsed = jsonrpc.parse_body(body)
+    request[appkeys.JSONRPC_ID] = parsed.id
     message = jsonrpc.read_message(
-        body,
+        parsed,
         headers.single(request.headers, jsonrpc.METHOD_HEADER, errors.InvalidRequest),
         headers.single(request.headers, jsonrpc.NAME_HEADER, errors.InvalidRequest),
     )
-    request[appkeys.JSONRPC_ID] = message.id
     sent = message.stripped_body if message.stripped_body is not None else body
     policies = request.app[appkeys.POLICIES]
     if isinstance(message, jsonrpc.OtherMessage) or not policies.fences_tool(

@@ -147,6 +147,7 @@ class TestSqliteSchema:
         admitted = await first.admit(call(3))
         await first.close()
         with sqlite3.connect(path) as conn:  # back to the schema before version 2
+            conn.execute("ALTER TABLE receipts DROP COLUMN mcp")  # version 3's
             conn.execute("ALTER TABLE receipts DROP COLUMN session")
             conn.execute("ALTER TABLE receipts DROP COLUMN kind")
             conn.execute("PRAGMA user_version = 0")

@@ -1,0 +1,165 @@
+"""MCP over raw HTTP through the gateway (docs/contract.md §16): the 2026-07-28 revision's
+headers (`Mcp-Method`, `Mcp-Name`, `MCP-Protocol-Version`) checked against the body, refusals
+in JSON-RPC, a replay under the retrying request's id, an SSE answer whose client leaves,
+and the 2025 revisions (sessions, GET stream, DELETE) passing through with the SDK's client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Any
+
+import aiohttp
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from gateway.core.mcp import FENCE_ERROR_CODE
+from tests.harness import GatewayProcess, fenced_headers, fetch_receipts
+from tests.mcp.conftest import MOUNT, McpServerProcess
+from tests.mcp.test_tool_calls import acquire
+
+VERSION = "2026-07-28"
+
+
+def rpc(request_id: Any, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A 2026-07-28 request: its envelope in `params._meta`."""
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": VERSION,
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    return {
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "method": method,
+        "params": {**params, "_meta": meta},
+    }
+
+
+def routing(method: str, name: str | None = None) -> dict[str, str]:
+    headers = {
+        "MCP-Protocol-Version": VERSION,
+        "Mcp-Method": method,
+        "Accept": "application/json, text/event-stream",
+    }
+    if name is not None:
+        headers["Mcp-Name"] = name
+    return headers
+
+
+async def post(
+    session: aiohttp.ClientSession, gateway: GatewayProcess, body: Any, headers: dict[str, str]
+) -> tuple[int, Any, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(
+        f"{gateway.url}{MOUNT}/mcp",
+        data=data,
+        headers={"Content-Type": "application/json", **headers},
+    ) as resp:
+        return resp.status, resp.headers, json.loads(await resp.read())
+
+
+async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_jsonrpc(
+    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+) -> None:
+    fence = await acquire(session, mcp_gateway, "mail/hdr", "run-h")
+    lease = fenced_headers("mail/hdr", fence)
+    call = rpc(5, "tools/call", {"name": "send_email", "arguments": {"to": "a", "text": "b"}})
+    # a tool call dressed up as a read-only one, by its headers or by its name header
+    for headers in (routing("tools/list"), routing("tools/call", "lookup")):
+        status, answer_headers, body = await post(session, mcp_gateway, call, {**lease, **headers})
+        assert status == 400 and answer_headers["Content-Type"].startswith("application/json")
+        assert body["id"] == 5 and body["error"]["code"] == FENCE_ERROR_CODE
+        assert body["error"]["data"]["code"] == "invalid_request"
+        assert body["error"]["message"] == body["error"]["data"]["title"] == "Invalid request"
+    # a batch holding a tool call: refused whole, id null
+    batch = [rpc(1, "tools/list", {}), call]
+    status, _, body = await post(session, mcp_gateway, batch, lease)
+    assert (status, body["id"], body["error"]["data"]["code"]) == (400, None, "invalid_request")
+    # a member named twice could read as another message elsewhere
+    doubled = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{}}'
+    status, _, body = await post(session, mcp_gateway, doubled, lease)
+    assert (status, body["error"]["data"]["code"]) == (400, "invalid_request")
+    # a name header in the revision's base64 form agrees with the body
+    encoded = "=?base64?" + base64.b64encode(b"send_email").decode() + "?="
+    status, _, body = await post(
+        session, mcp_gateway, call, {**lease, **routing("tools/call", encoded)}
+    )
+    assert status == 200 and body["result"]["structuredContent"] == {"result": "sent to a"}
+    assert len(mcp_server.effects("send_email")) == 1
+    assert len([r for r in mcp_server.requests() if '"tools/call"' in r["body"]]) == 1
+
+
+async def test_a_replay_answers_with_the_retrying_requests_id(
+    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+) -> None:
+    fence = await acquire(session, mcp_gateway, "mail/rp", "run-r")
+    headers = {**fenced_headers("mail/rp", fence), **routing("tools/call", "send_email")}
+    first_call = rpc(7, "tools/call", {"name": "send_email", "arguments": {"to": "x", "text": "y"}})
+    status, first_headers, first = await post(session, mcp_gateway, first_call, headers)
+    assert status == 200 and first["id"] == 7
+    # the retry: another id, its arguments written in another order and spacing
+    retry = json.dumps(
+        rpc("retry-8", "tools/call", {"arguments": {"text": "y", "to": "x"}, "name": "send_email"}),
+        indent=2,
+    ).encode()
+    status, again_headers, again = await post(session, mcp_gateway, retry, headers)
+    assert status == 200 and again_headers["Idempotent-Replayed"] == "true"
+    assert again["id"] == "retry-8" and again["result"] == first["result"]
+    assert again_headers["X-Receipt-Id"] == first_headers["X-Receipt-Id"]
+    assert again_headers["Idempotency-Key"] == first_headers["Idempotency-Key"]
+    assert len(mcp_server.effects("send_email")) == 1
+
+
+async def test_a_client_leaving_an_sse_answer_does_not_cancel_the_call(
+    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+) -> None:
+    fence = await acquire(session, mcp_gateway, "mail/gone", "run-g")
+    call = rpc(3, "tools/call", {"name": "send_slowly", "arguments": {"to": "z", "seconds": 1}})
+    call["params"]["_meta"]["progressToken"] = "p-1"
+    async with session.post(
+        f"{mcp_gateway.url}{MOUNT}/mcp",
+        json=call,
+        headers={**fenced_headers("mail/gone", fence), **routing("tools/call", "send_slowly")},
+    ) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        receipt_id = resp.headers["X-Receipt-Id"]
+        first = await resp.content.readuntil(b"\r\n\r\n")
+        assert b"notifications/progress" in first
+        resp.connection.close()  # the client goes away mid-stream  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        async with session.get(f"{mcp_gateway.url}/_gateway/v1/receipts/{receipt_id}") as got:
+            receipt = await got.json()
+        if receipt["status"] != "pending":
+            break
+        await asyncio.sleep(0.1)
+    assert (receipt["status"], receipt["mcp"]) == (
+        "succeeded",
+        {"tool": "send_slowly", "jsonrpc_id": 3},
+    )
+    assert [e["to"] for e in mcp_server.effects("send_slowly")] == ["z"]
+
+
+async def test_the_2025_revisions_pass_through_intact(
+    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+) -> None:
+    fence = await acquire(session, mcp_gateway, "mail/old", "run-o")
+    http = httpx2.AsyncClient(headers=fenced_headers("mail/old", fence), timeout=20.0)
+    url = f"{mcp_gateway.url}{MOUNT}/mcp"
+    async with Client(streamable_http_client(url, http_client=http), mode="legacy") as client:
+        assert client.session.protocol_version == "2025-11-25"
+        assert (await client.call_tool("lookup", {"q": "a"})).structured_content == {"result": "A"}
+        sent = await client.call_tool("send_email", {"to": "old", "text": "handshake"})
+        assert not sent.is_error
+    requests = mcp_server.requests()
+    methods = [r["request"] for r in requests]
+    assert "DELETE" in methods  # the session was ended through the gateway
+    sessions = {r["headers"].get("mcp-session-id") for r in requests[1:]}
+    assert len(sessions) == 1 and None not in sessions  # one session, its id passed on
+    receipts = await fetch_receipts(session, mcp_gateway.url, resource="mail/old")
+    assert [(r["status"], r["mcp"]["tool"]) for r in receipts] == [("succeeded", "send_email")]
+    assert len(mcp_server.effects("send_email")) == 1
