@@ -15,6 +15,7 @@ and DELETE) passes unfenced, with its stream left open as long as both sides kee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -124,14 +125,21 @@ def _relayed(answer: aiohttp.ClientResponse, extra: dict[str, str]) -> web.Strea
 
 
 async def _relay_rest(
-    request: web.Request, response: web.StreamResponse, answer: aiohttp.ClientResponse, first: bytes
+    request: web.Request,
+    response: web.StreamResponse,
+    answer: aiohttp.ClientResponse,
+    first: bytes,
+    deadline: float | None = None,
 ) -> None:
-    """`first`, then the rest of the answer as it comes, until either side ends it."""
+    """`first`, then the rest of the answer as it comes, until either side ends it (or
+    `deadline`, loop time, passes: then the answer simply ends)."""
     try:
         if first:
             await response.write(first)
-        while chunk := await answer.content.readany():
-            await response.write(chunk)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while chunk := await answer.content.readany():
+                    await response.write(chunk)
         await response.write_eof()
         return
     except ConnectionError:
@@ -215,7 +223,7 @@ async def _fenced(
                 failed.headers.update(told)
                 raise failed
             if reader.streaming is not None:
-                return await reader.finish(exchange.head, exchange.answer)
+                return await reader.finish(exchange.head, exchange.answer, exchange.deadline)
             if reader.failure is not None:
                 reader.failure.headers.update(told)
                 raise reader.failure
@@ -398,16 +406,19 @@ class _AnswerReader:
         except ConnectionError:
             self.client_gone = True  # read on: the outcome is still to be recorded
 
-    async def finish(self, head: Head, answer: aiohttp.ClientResponse | None) -> web.StreamResponse:
-        """After the outcome is recorded: the answering event, then the rest of the stream."""
+    async def finish(
+        self, head: Head, answer: aiohttp.ClientResponse | None, deadline: float
+    ) -> web.StreamResponse:
+        """After the outcome is recorded: the answering event, then what follows it until the
+        server ends the stream, as it should once it has answered (by `timeout_s` from when
+        the call was sent at the latest: a stream left open must not hold the resource's
+        place)."""
         response = self.streaming
         if response is None:
             raise ValueError("finish follows an SSE answer only")
-        if head.broken or answer is None:
+        if head.broken or answer is None or self.client_gone:
             if self.request.transport is not None:
                 self.request.transport.abort()  # a cut stream is all the client can be told
             return response
-        if self.client_gone:
-            return response
-        await _relay_rest(self.request, response, answer, b"".join(self.held))
+        await _relay_rest(self.request, response, answer, b"".join(self.held), deadline)
         return response

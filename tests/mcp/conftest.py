@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +23,23 @@ MOUNT = "/mail"
 
 class McpServerProcess:
     """`python -m tests.mcp.mcp_server PORT LOG`: every tool effect and every request it
-    received is a JSON line in LOG."""
+    received is a JSON line in LOG. Started once for all MCP tests (the SDK takes seconds to
+    import); each test sees the lines written since it began (`McpServerView`)."""
 
     def __init__(self, workdir: Path) -> None:
         self.log = workdir / "mcp-server.log"
-        self.port = free_port()
+        self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> McpServerProcess:
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> McpServerProcess:
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.mcp.mcp_server", str(self.port), str(self.log)],
             cwd=REPO_ROOT,
@@ -43,15 +48,13 @@ class McpServerProcess:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the MCP server exited with {self.proc.returncode}")
-            await asyncio.sleep(0.05)
+            time.sleep(0.05)
         raise RuntimeError("the MCP server did not start")
 
     def kill(self) -> None:
@@ -59,10 +62,23 @@ class McpServerProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+class McpServerView:
+    """The shared server as one test sees it: only what was logged since the test began."""
+
+    def __init__(self, server: McpServerProcess) -> None:
+        self.server = server
+        self.offset = len(server.lines())
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
     def entries(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(line) for line in self.log.read_text().splitlines()]
+        return [json.loads(line) for line in self.server.lines()[self.offset :]]
 
     def effects(self, tool: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.entries() if "effect" in e and tool in (None, e["effect"])]
@@ -71,14 +87,21 @@ class McpServerProcess:
         return [e for e in self.entries() if "request" in e]
 
 
-@pytest.fixture
-async def mcp_server(tmp_path: Path) -> AsyncIterator[McpServerProcess]:
-    server = McpServerProcess(tmp_path)
-    await server.start()
+@pytest.fixture(scope="session")
+def shared_mcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpServerProcess]:
+    server = McpServerProcess(tmp_path_factory.mktemp("mcp-server"))
     try:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def mcp_server(shared_mcp_server: McpServerProcess) -> McpServerView:
+    """The MCP server, started again when a test before this one crashed it."""
+    if not shared_mcp_server.alive():
+        shared_mcp_server.start()
+    return McpServerView(shared_mcp_server)
 
 
 def mcp_policy(url: str, **upstream: Any) -> dict[str, Any]:
@@ -101,7 +124,5 @@ def mcp_policy(url: str, **upstream: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def mcp_gateway(
-    gateway_factory: GatewayFactory, mcp_server: McpServerProcess
-) -> GatewayProcess:
+async def mcp_gateway(gateway_factory: GatewayFactory, mcp_server: McpServerView) -> GatewayProcess:
     return await gateway_factory(mcp_policy(mcp_server.url))

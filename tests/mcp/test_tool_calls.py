@@ -19,7 +19,7 @@ from mcp.shared.exceptions import MCPError
 from gateway.client import GatewayClient, mcp_meta
 from gateway.core.mcp import FENCE_ERROR_CODE, LEASE_META_KEY
 from tests.harness import GatewayProcess, fenced_headers, fetch_receipts
-from tests.mcp.conftest import MOUNT, McpServerProcess
+from tests.mcp.conftest import MOUNT, McpServerView
 
 
 def mcp_client(
@@ -50,7 +50,7 @@ def refusal(exc: pytest.ExceptionInfo[MCPError]) -> dict[str, Any]:
 
 
 async def test_unfenced_pass_a_fenced_call_goes_once_and_leaves_a_receipt(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     async with (
         GatewayClient(mcp_gateway.url) as gw,
@@ -87,7 +87,7 @@ async def test_unfenced_pass_a_fenced_call_goes_once_and_leaves_a_receipt(
 
 
 async def test_a_missing_lease_is_a_jsonrpc_error_and_the_tool_never_runs(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView
 ) -> None:
     async with mcp_client(mcp_gateway) as client:
         with pytest.raises(MCPError) as missing:
@@ -111,7 +111,7 @@ async def test_a_missing_lease_is_a_jsonrpc_error_and_the_tool_never_runs(
 
 
 async def test_a_stale_owner_is_refused_before_the_tool(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     old = await acquire(session, mcp_gateway, "mail/bob", "run-a")
     async with session.delete(f"{mcp_gateway.url}/_gateway/v1/leases/mail/bob?force=true") as r:
@@ -136,7 +136,7 @@ async def test_a_stale_owner_is_refused_before_the_tool(
 
 
 async def test_a_retried_call_is_replayed_without_a_second_effect(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/dave", "run-d")
     meta = mcp_meta("mail/dave", fence, "run-d")
@@ -151,7 +151,7 @@ async def test_a_retried_call_is_replayed_without_a_second_effect(
 
 
 async def test_a_failing_tool_leaves_a_failed_receipt(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/ops", "run-o")
     async with mcp_client(mcp_gateway, fenced_headers("mail/ops", fence)) as client:
@@ -165,7 +165,7 @@ async def test_a_failing_tool_leaves_a_failed_receipt(
 
 
 async def test_an_sse_answer_is_relayed_and_a_broken_one_is_outcome_unknown(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/sse", "run-s")
     progress: list[float] = []

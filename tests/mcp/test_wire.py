@@ -19,7 +19,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from gateway.core.mcp import FENCE_ERROR_CODE
 from tests.harness import GatewayProcess, fenced_headers, fetch_receipts
-from tests.mcp.conftest import MOUNT, McpServerProcess
+from tests.mcp.conftest import MOUNT, McpServerView
 from tests.mcp.test_tool_calls import acquire
 
 VERSION = "2026-07-28"
@@ -63,7 +63,7 @@ async def post(
 
 
 async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_jsonrpc(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/hdr", "run-h")
     lease = fenced_headers("mail/hdr", fence)
@@ -94,7 +94,7 @@ async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_js
 
 
 async def test_a_replay_answers_with_the_retrying_requests_id(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/rp", "run-r")
     headers = {**fenced_headers("mail/rp", fence), **routing("tools/call", "send_email")}
@@ -115,7 +115,7 @@ async def test_a_replay_answers_with_the_retrying_requests_id(
 
 
 async def test_a_client_leaving_an_sse_answer_does_not_cancel_the_call(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/gone", "run-g")
     call = rpc(3, "tools/call", {"name": "send_slowly", "arguments": {"to": "z", "seconds": 1}})
@@ -145,7 +145,7 @@ async def test_a_client_leaving_an_sse_answer_does_not_cancel_the_call(
 
 
 async def test_the_2025_revisions_pass_through_intact(
-    mcp_gateway: GatewayProcess, mcp_server: McpServerProcess, session: aiohttp.ClientSession
+    mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/old", "run-o")
     http = httpx2.AsyncClient(headers=fenced_headers("mail/old", fence), timeout=20.0)
