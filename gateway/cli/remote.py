@@ -361,6 +361,12 @@ def _list(
     return 0
 
 
+def _tool_of(receipt: dict[str, Any]) -> str:
+    """An MCP tool call's tool, after its path (docs/contract.md §16)."""
+    mcp = receipt.get("mcp")
+    return f" {mcp.get('tool')}" if isinstance(mcp, dict) else ""
+
+
 def _receipt_status(r: dict[str, Any]) -> str:
     status = str(r.get("status") or "-")
     resolution = r.get("resolution")
@@ -381,7 +387,7 @@ _RECEIPT_COLUMNS: tuple[Column, ...] = (
     ("RESOURCE", lambda r: r.get("resource")),
     ("FENCE", lambda r: r.get("fence")),
     ("OWNER", lambda r: r.get("owner")),
-    ("CALL", lambda r: f"{r.get('method')} {r.get('path')}"),
+    ("CALL", lambda r: f"{r.get('method')} {r.get('path')}{_tool_of(r)}"),
     ("ATTEMPT", lambda r: r.get("attempt")),
     ("HTTP", lambda r: r.get("http_status")),
     ("STATUS", _receipt_status),
