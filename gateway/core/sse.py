@@ -8,6 +8,7 @@ joined as the standard says. Lines end with CR LF, LF or CR; an empty line ends 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -73,14 +74,13 @@ class SseSplitter:
         return "\n".join(self._data) if self._data is not None else None
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 def _line_end(buffer: bytearray, start: int) -> tuple[int, int]:
     """(end of the line starting at `start`, start of the next); (-1, -1) while the line is
     incomplete. A CR at the very end waits: an LF may follow in the next chunk."""
-    cr, lf = buffer.find(b"\r", start), buffer.find(b"\n", start)
-    if lf >= 0 and (cr < 0 or lf < cr):
-        return lf, lf + 1
-    if cr < 0:
+    found = _LINE_END.search(buffer, start)
+    if found is None or (found.group() == b"\r" and found.end() == len(buffer)):
         return -1, -1
-    if cr + 1 == len(buffer):
-        return -1, -1
-    return cr, cr + 2 if buffer[cr + 1] == 0x0A else cr + 1
+    return found.start(), found.end()

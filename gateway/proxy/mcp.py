@@ -63,6 +63,11 @@ async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
     if request.method != "POST":
         return await _unfenced(request, flow, upstream, body)
+    if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+        # a server that inflates it would read a message the gateway could not: fail closed
+        raise errors.InvalidRequest(
+            "an encoded (compressed) body cannot be read to be fenced: send it as it is"
+        )
     parsed = jsonrpc.parse_body(body)
     request[appkeys.JSONRPC_ID] = parsed.id
     message = jsonrpc.read_message(

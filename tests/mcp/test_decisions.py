@@ -171,6 +171,8 @@ def test_sse_events_are_cut_whatever_the_chunks() -> None:
             (None, "z"),
         ]
         assert b"".join(e.raw for e in events) == stream and splitter.rest() == b""
+    many = b"".join(b"data: %d\n\n" % n for n in range(20_000))  # one chunk, many events
+    assert len(SseSplitter(max_event_bytes=100).feed(many)) == 20_000
     with pytest.raises(EventTooLarge):
         SseSplitter(max_event_bytes=10).feed(b"data: " + b"x" * 20)
 

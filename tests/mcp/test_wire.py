@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import time
 from typing import Any
@@ -82,6 +83,12 @@ async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_js
     # a member named twice could read as another message elsewhere
     doubled = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{}}'
     status, _, body = await post(session, mcp_gateway, doubled, lease)
+    assert (status, body["error"]["data"]["code"]) == (400, "invalid_request")
+    # a compressed body could hide a tool call from the gateway, not from the server
+    gzipped = gzip.compress(json.dumps(call).encode())
+    status, _, body = await post(
+        session, mcp_gateway, gzipped, {**lease, "Content-Encoding": "gzip"}
+    )
     assert (status, body["error"]["data"]["code"]) == (400, "invalid_request")
     # a name header in the revision's base64 form agrees with the body
     encoded = "=?base64?" + base64.b64encode(b"send_email").decode() + "?="
