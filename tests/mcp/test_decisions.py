@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.client import mcp_meta
 from gateway.config.policy_files import PolicyError, load_policies
 from gateway.core import errors
 from gateway.core import mcp as m
@@ -199,3 +200,27 @@ def test_check_policies_validates_mcp_and_tools(tmp_path: Path) -> None:
     )
     with pytest.raises(PolicyError, match="websocket"):
         load_policies(write_policy(tmp_path / "r.yaml", both))
+
+
+def test_a_tool_call_is_governed_by_the_rule_covering_resource_and_tool(tmp_path: Path) -> None:
+    policy = make_policy(
+        "http://127.0.0.1:1",
+        [{"match": "mail/*", "tools": ["send_*"]}, {"match": "**", "tools": ["deploy"]}],
+        mcp=True,
+    )
+    policies = load_policies(write_policy(tmp_path / "p.yaml", policy))
+    assert policies.fences_tool("tool", "send_email") and policies.fences_tool("tool", "deploy")
+    assert not policies.fences_tool("tool", "lookup")
+    assert policies.tool_rule("tool", "mail/a", "send_email") is policies.rules[0]
+    assert policies.tool_rule("tool", "mail/a", "deploy") is policies.rules[1]
+    assert policies.tool_rule("tool", "ops/a", "send_email") is None  # resource_not_allowed
+
+
+def test_the_client_library_builds_the_meta_entry() -> None:
+    assert mcp_meta("mail/a", 7, "run-1") == {
+        m.LEASE_META_KEY: {"resource": "mail/a", "fence": 7, "owner": "run-1"}
+    }
+    assert mcp_meta("mail/a", 7) == {m.LEASE_META_KEY: {"resource": "mail/a", "fence": 7}}
+    for fence in (0, True, "7", 2**63):
+        with pytest.raises(ValueError):
+            mcp_meta("mail/a", fence)  # type: ignore[arg-type]
