@@ -5,8 +5,8 @@ answer says about its outcome, and how a refusal or a replay is written in JSON-
 An MCP server over Streamable HTTP takes every JSON-RPC message as a POST to one endpoint, so
 the gateway reads the message to know what it is. It reads strictly: a body with a member
 named twice, or nested too deep to read, is refused (another reader could see another
-message in it); a body that is not JSON at all is passed on, unless it claims to be a tool
-call in its `Mcp-Method` header.
+message in it); a body that is not JSON at all is passed on (the server answers its parse
+error), unless an `Mcp-Method` header names a method it cannot agree with.
 """
 
 from __future__ import annotations

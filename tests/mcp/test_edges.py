@@ -6,6 +6,7 @@ answer kept for replay, a tool call that outlives `timeout_s`, and the receipt o
 from __future__ import annotations
 
 import hashlib
+import hmac
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +14,7 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 from gateway.client import GatewayClient
-from gateway.core.mcp import FENCE_ERROR_CODE
+from gateway.core.mcp import FENCE_ERROR_CODE, LEASE_META_KEY
 from tests.harness import GatewayFactory, GatewayProcess, fenced_headers, fetch_receipts
 from tests.mcp.conftest import MOUNT, McpServerView, mcp_policy
 from tests.mcp.test_tool_calls import acquire, mcp_client, refusal
@@ -114,3 +115,31 @@ async def test_a_tool_call_past_timeout_s_is_outcome_unknown(
         assert page.status == 200
         text = await page.text()
     assert "send_slowly" in text and "MCP tool" in text
+
+
+async def test_a_signed_external_fence_travels_in_meta(
+    gateway_factory: GatewayFactory, mcp_server: McpServerView, session: aiohttp.ClientSession
+) -> None:
+    policy = mcp_policy(mcp_server.url)
+    policy["resources"][0]["lease"] = {"issuer": "external", "hmac_secret_env": "MCP_SECRET"}
+    gateway = await gateway_factory(policy, extra_env={"MCP_SECRET": "s3cret"})
+    signed = hmac.new(b"s3cret", b"mail/ext\n5", hashlib.sha256).hexdigest()
+    lease = {"resource": "mail/ext", "fence": 5, "owner": "etcd-run"}
+    async with mcp_client(gateway) as client:
+        with pytest.raises(MCPError) as unsigned:
+            await client.call_tool(
+                "send_email", {"to": "u", "text": "t"}, meta={LEASE_META_KEY: lease}
+            )
+        assert refusal(unsigned)["code"] == "bad_fence_signature"
+        sent = await client.call_tool(
+            "send_email",
+            {"to": "u", "text": "t"},
+            meta={LEASE_META_KEY: {**lease, "signature": signed}},
+        )
+        assert not sent.is_error
+    receipts = await fetch_receipts(session, gateway.url, resource="mail/ext")
+    assert [(r["status"], r["reject_code"], r["owner"], r["mcp"]["tool"]) for r in receipts] == [
+        ("rejected", "bad_fence_signature", "etcd-run", "send_email"),
+        ("succeeded", None, "etcd-run", "send_email"),
+    ]
+    assert len(mcp_server.effects("send_email")) == 1

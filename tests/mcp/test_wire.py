@@ -18,7 +18,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from gateway.core.mcp import FENCE_ERROR_CODE
+from gateway.core.mcp import FENCE_ERROR_CODE, LEASE_META_KEY
 from tests.harness import GatewayProcess, fenced_headers, fetch_receipts
 from tests.mcp.conftest import MOUNT, McpServerView
 from tests.mcp.test_tool_calls import acquire
@@ -84,6 +84,13 @@ async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_js
     doubled = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{}}'
     status, _, body = await post(session, mcp_gateway, doubled, lease)
     assert (status, body["error"]["data"]["code"]) == (400, "invalid_request")
+    # the headers carry a lease: they alone count, and the _meta entry is removed all the same
+    with_meta = rpc(6, "tools/call", {"name": "lookup", "arguments": {"q": "m"}})
+    with_meta["params"]["_meta"][LEASE_META_KEY] = {"resource": "mail/hdr", "fence": 999}
+    status, _, body = await post(
+        session, mcp_gateway, with_meta, {**lease, **routing("tools/call", "lookup")}
+    )
+    assert status == 200 and body["result"]["structuredContent"] == {"result": "M"}
     # a compressed body could hide a tool call from the gateway, not from the server
     gzipped = gzip.compress(json.dumps(call).encode())
     status, _, body = await post(
@@ -97,7 +104,9 @@ async def test_headers_that_disagree_with_the_body_and_batches_are_refused_in_js
     )
     assert status == 200 and body["result"]["structuredContent"] == {"result": "sent to a"}
     assert len(mcp_server.effects("send_email")) == 1
-    assert len([r for r in mcp_server.requests() if '"tools/call"' in r["body"]]) == 1
+    reached = [r["body"] for r in mcp_server.requests() if '"tools/call"' in r["body"]]
+    assert len([body for body in reached if "send_email" in body]) == 1
+    assert len(reached) == 2 and not any(LEASE_META_KEY in body for body in reached)
 
 
 async def test_a_replay_answers_with_the_retrying_requests_id(
@@ -121,10 +130,28 @@ async def test_a_replay_answers_with_the_retrying_requests_id(
     assert len(mcp_server.effects("send_email")) == 1
 
 
-async def test_a_client_leaving_an_sse_answer_does_not_cancel_the_call(
+async def test_an_sse_outcome_is_recorded_first_and_a_leaving_client_cancels_nothing(
     mcp_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
 ) -> None:
     fence = await acquire(session, mcp_gateway, "mail/gone", "run-g")
+    streamed = rpc(2, "tools/call", {"name": "send_with_progress", "arguments": {"to": "y"}})
+    streamed["params"]["_meta"]["progressToken"] = "p-0"
+    async with session.post(
+        f"{mcp_gateway.url}{MOUNT}/mcp",
+        json=streamed,
+        headers={
+            **fenced_headers("mail/gone", fence),
+            **routing("tools/call", "send_with_progress"),
+        },
+    ) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [await resp.content.readuntil(b"\r\n\r\n") for _ in range(3)]
+        assert [b'"result"' in event for event in events] == [False, False, True]
+        # the answering event has arrived: its outcome was recorded before it left
+        async with session.get(
+            f"{mcp_gateway.url}/_gateway/v1/receipts/{resp.headers['X-Receipt-Id']}"
+        ) as got:
+            assert (await got.json())["status"] == "succeeded"
     call = rpc(3, "tools/call", {"name": "send_slowly", "arguments": {"to": "z", "seconds": 1}})
     call["params"]["_meta"]["progressToken"] = "p-1"
     async with session.post(
@@ -164,7 +191,8 @@ async def test_the_2025_revisions_pass_through_intact(
         assert not sent.is_error
     requests = mcp_server.requests()
     methods = [r["request"] for r in requests]
-    assert "DELETE" in methods  # the session was ended through the gateway
+    # the session's GET stream went through, and the session was ended through the gateway
+    assert {"POST", "GET", "DELETE"} <= set(methods)
     sessions = {r["headers"].get("mcp-session-id") for r in requests[1:]}
     assert len(sessions) == 1 and None not in sessions  # one session, its id passed on
     receipts = await fetch_receipts(session, mcp_gateway.url, resource="mail/old")
