@@ -214,7 +214,10 @@ def _without_lease(document: dict[str, Any], params: Any) -> bytes | None:
 
 
 def _dumps(document: Any) -> bytes:
-    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
+    try:  # ASCII with escapes: a lone surrogate the client escaped stays escaped
+        return json.dumps(document, separators=(",", ":")).encode()
+    except RecursionError:  # read, but too deep to write again: refused, not a 500
+        raise errors.InvalidRequest("the JSON body is nested too deeply to pass on") from None
 
 
 # -- the lease of a tool call --------------------------------------------------------------

@@ -224,3 +224,16 @@ def test_the_client_library_builds_the_meta_entry() -> None:
     for fence in (0, True, "7", 2**63):
         with pytest.raises(ValueError):
             mcp_meta("mail/a", fence)  # type: ignore[arg-type]
+
+
+def test_a_body_written_again_keeps_what_the_client_escaped() -> None:
+    body = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/list",
+            "params": {"_meta": {m.LEASE_META_KEY: {}}, "x": "\ud800é"},
+        }
+    ).encode()
+    message = read(body)
+    assert json.loads(message.stripped_body or b"")["params"] == {"x": "\ud800é"}
