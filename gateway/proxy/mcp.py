@@ -42,6 +42,11 @@ from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Call, Refused, Replayed
 
 _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
+# An MCP server answers a tool call with a 4xx only when it refused the message before running
+# the tool (an unknown or expired session, headers that disagree with the body, invalid
+# params); a tool that ran answers 200, `isError` or not. A retry after such an answer is a
+# new attempt, never the refusal replayed (the SDK resends a call refused for stale headers).
+_REFUSED_UNRUN = frozenset(range(400, 500))
 _LEASE_HEADERS = (headers.RESOURCE_HEADER, headers.FENCE_HEADER)
 
 
@@ -192,7 +197,7 @@ async def _fenced(
         issuer=rule.lease.issuer,
         idempotency_key=key,
         fingerprint=jsonrpc.fingerprint(flow.request_target, call),
-        retry_statuses=rule.idempotency.retry_statuses,
+        retry_statuses=rule.idempotency.retry_statuses | _REFUSED_UNRUN,
         retention_s=rule.idempotency.retention_s,
         clients_configured=app[appkeys.CLIENTS] is not None,
         serial=rule.concurrency == "serial",

@@ -115,6 +115,11 @@ async def test_a_replay_answers_with_the_retrying_requests_id(
     fence = await acquire(session, mcp_gateway, "mail/rp", "run-r")
     headers = {**fenced_headers("mail/rp", fence), **routing("tools/call", "send_email")}
     first_call = rpc(7, "tools/call", {"name": "send_email", "arguments": {"to": "x", "text": "y"}})
+    # refused by the server before the tool ran (its version header disagrees with the body):
+    # failed, and the retry that follows is a new attempt, not this refusal replayed
+    refused_headers = {**headers, "MCP-Protocol-Version": "2025-11-25"}
+    status, _, refused = await post(session, mcp_gateway, first_call, refused_headers)
+    assert status == 400 and "error" in refused and mcp_server.effects() == []
     status, first_headers, first = await post(session, mcp_gateway, first_call, headers)
     assert status == 200 and first["id"] == 7
     # the retry: another id, its arguments written in another order and spacing
@@ -128,6 +133,11 @@ async def test_a_replay_answers_with_the_retrying_requests_id(
     assert again_headers["X-Receipt-Id"] == first_headers["X-Receipt-Id"]
     assert again_headers["Idempotency-Key"] == first_headers["Idempotency-Key"]
     assert len(mcp_server.effects("send_email")) == 1
+    receipts = await fetch_receipts(session, mcp_gateway.url, resource="mail/rp")
+    assert [(r["status"], r["http_status"], r["attempt"]) for r in receipts] == [
+        ("failed", 400, 1),
+        ("succeeded", 200, 2),
+    ]
 
 
 async def test_an_sse_outcome_is_recorded_first_and_a_leaving_client_cancels_nothing(
