@@ -106,6 +106,8 @@ async def test_a_tool_call_past_timeout_s_is_outcome_unknown(
             await client.call_tool(
                 "send_slowly", {"to": "kai", "seconds": 1}, progress_callback=ignore
             )
+    # (the gateway gave up on both and closed their connections, which cancels them at the
+    # server: whether a call ran is what outcome_unknown leaves to a reconciler)
     receipts = await fetch_receipts(session, gateway.url, resource="mail/slow")
     assert [(r["status"], r["error"]) for r in receipts] == [
         ("outcome_unknown", "upstream_timeout"),

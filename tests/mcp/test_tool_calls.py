@@ -107,7 +107,7 @@ async def test_a_missing_lease_is_a_jsonrpc_error_and_the_tool_never_runs(
                 meta={LEASE_META_KEY: {"resource": "mail/x", "fence": "1"}},
             )
         assert refusal(text_fence)["code"] == "invalid_fence"
-    assert mcp_server.effects() == []
+    assert mcp_server.effects("send_email") == []
 
 
 async def test_a_stale_owner_is_refused_before_the_tool(
