@@ -1,0 +1,100 @@
+"""Checkpoints and the run view in SQL, the same on every backend (docs/contract.md §17).
+
+Each statement is written once with `placeholder(n)` for the backend's n-th parameter, so
+SQLite (`?`) and PostgreSQL (`$n`) read and prune alike; rows turn into values here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gateway.core.checkpoints import RUN_VIEW_LIST_MAX, Checkpoint, Group, statuses_of
+from gateway.store.ids import id_floor
+from gateway.store.rows import RECEIPT_SELECT
+
+Placeholder = Callable[[int], str]
+
+CHECKPOINT_COLUMNS = ("resource", "seq", "fence", "owner", "client", "step", "state", "at")
+CHECKPOINT_SELECT = ", ".join(CHECKPOINT_COLUMNS)
+
+# Receipt ids begin with the millisecond they were made in, by the clock of the process that
+# made them: on PostgreSQL a rejection's id is the replica's clock while its `created_at` is
+# the database's. Receipts made after a checkpoint are looked for from this long before it,
+# so the (resource, id) index bounds the scan and a replica's clock that is behind by less
+# than this still counts its receipts.
+ID_MARGIN_S = 60.0
+
+
+def checkpoint_of(row: Mapping[str, Any]) -> Checkpoint:
+    return Checkpoint(**{name: row[name] for name in CHECKPOINT_COLUMNS})
+
+
+def latest_checkpoint(p: Placeholder) -> str:
+    """The resource's newest checkpoint; parameters: resource."""
+    return (
+        f"SELECT {CHECKPOINT_SELECT} FROM checkpoints WHERE resource = {p(1)} "
+        "ORDER BY seq DESC LIMIT 1"
+    )
+
+
+def insert_checkpoint(p: Placeholder) -> str:
+    """Parameters: resource, seq, fence, owner, client, step, state, at, expires_at."""
+    values = ", ".join(p(n) for n in range(1, 10))
+    return f"INSERT INTO checkpoints ({CHECKPOINT_SELECT}, expires_at) VALUES ({values})"
+
+
+def list_checkpoints(p: Placeholder, before: bool) -> str:
+    """Newest first; parameters: resource, [before_seq,] limit."""
+    bound = f"AND seq < {p(2)} " if before else ""
+    return (
+        f"SELECT {CHECKPOINT_SELECT} FROM checkpoints WHERE resource = {p(1)} {bound}"
+        f"ORDER BY seq DESC LIMIT {p(3 if before else 2)}"
+    )
+
+
+def prune_checkpoints(p: Placeholder, now_sql: str) -> str:
+    """Past retention and not the resource's last; parameters: batch size."""
+    return (
+        "DELETE FROM checkpoints WHERE (resource, seq) IN (SELECT c.resource, c.seq FROM "
+        f"checkpoints c WHERE c.expires_at < {now_sql} AND c.seq < (SELECT max(m.seq) FROM "
+        f"checkpoints m WHERE m.resource = c.resource) LIMIT {p(1)})"
+    )
+
+
+def since(checkpoint: Checkpoint | None) -> tuple[str, float]:
+    """(lowest receipt id, `created_at` to be after): the bounds of the receipts made since
+    `checkpoint`; every receipt of the resource when there is none."""
+    if checkpoint is None:
+        return "", float("-inf")
+    return id_floor(checkpoint.at - ID_MARGIN_S), checkpoint.at
+
+
+_SINCE = "resource = {r} AND id >= {i} AND created_at > {t}"
+
+
+def _where(p: Placeholder) -> str:
+    return _SINCE.format(r=p(1), i=p(2), t=p(3))
+
+
+def group_receipts(p: Placeholder, group: Group) -> str:
+    """The newest receipts of `group` made since the checkpoint, newest first; parameters:
+    resource, lowest id, created after."""
+    statuses = ", ".join(f"'{status}'" for status in statuses_of(group))
+    return (
+        f"SELECT {RECEIPT_SELECT} FROM receipts WHERE {_where(p)} AND status IN ({statuses}) "
+        f"ORDER BY id DESC LIMIT {RUN_VIEW_LIST_MAX}"
+    )
+
+
+def count_rejected(p: Placeholder) -> str:
+    return f"SELECT count(*) AS n FROM receipts WHERE {_where(p)} AND status = 'rejected'"
+
+
+def unknown_since(p: Placeholder) -> str:
+    """Per upstream, when the earliest `outcome_unknown` call made since the checkpoint left
+    (`gateway.core.checkpoints.run_state`)."""
+    return (
+        "SELECT upstream, min(coalesce(forwarded_at, created_at)) AS left_at FROM receipts "
+        f"WHERE {_where(p)} AND status = 'outcome_unknown' GROUP BY upstream"
+    )

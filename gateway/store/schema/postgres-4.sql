@@ -1,0 +1,2 @@
+-- Schema version 4: no change of its own.
+SELECT 1;

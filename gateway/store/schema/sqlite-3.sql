@@ -1,0 +1,1 @@
+-- Schema version 3: no change of its own.

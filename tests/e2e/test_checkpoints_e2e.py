@@ -1,0 +1,249 @@
+"""Checkpoints and the run view against a real gateway process (docs/contract.md §17).
+
+Worker A checkpoints a long task, makes a call that completes and one whose outcome is lost
+(the gateway is killed while the tool holds the call), and its lease is taken over by worker
+B. A's next checkpoint is refused and writes nothing; B's run view shows A's last
+checkpoint, the call completed after it, and the lost one as needing confirmation, first
+`outcome_unknown`, then `reconciliation_required` once past its grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.harness import (
+    Behavior,
+    GatewayFactory,
+    GatewayProcess,
+    RecordingUpstream,
+    call,
+    fenced_headers,
+    make_policy,
+    pick,
+    wait_for,
+)
+
+RESOURCE = "task/run-1"
+KEYS = {"agent-a": "key-a", "agent-b": "key-b", "recon": "key-recon", "other": "key-other"}
+TIMEOUT_S = 3.0  # the tool's timeout_s
+GRACE_S = 1.0  # GATEWAY_RECONCILE_GRACE_S: past timeout_s + this, a lost call may be reconciled
+
+
+def clients_file(path: Path) -> Path:
+    roles = {"agent-a": "agent", "agent-b": "agent", "recon": "reconciler", "other": "agent"}
+    lines = ["clients:"]
+    for name, key in KEYS.items():
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        scope = ", resources: ['task/*']" if name.startswith("agent") else ""
+        if name == "other":
+            scope = ", resources: ['elsewhere/*']"
+        lines.append(f"  - {{name: {name}, key_sha256: '{digest}', roles: [{roles[name]}]{scope}}}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def proxy(name: str) -> dict[str, str]:
+    return {"Proxy-Authorization": f"Bearer {KEYS[name]}"}
+
+
+async def api(
+    session: aiohttp.ClientSession,
+    gateway: GatewayProcess,
+    method: str,
+    path: str,
+    who: str | None = None,
+    **kwargs: Any,
+) -> tuple[int, Any]:
+    headers = {**(bearer(who) if who else {}), **kwargs.pop("headers", {})}
+    async with session.request(
+        method, f"{gateway.url}/_gateway/v1{path}", headers=headers, **kwargs
+    ) as resp:
+        body = await resp.read()
+        return resp.status, json.loads(body) if body else None
+
+
+async def checkpoint(
+    session: aiohttp.ClientSession,
+    gateway: GatewayProcess,
+    who: str,
+    fence: int,
+    step: str,
+    state: Any,
+    **extra: str,
+) -> tuple[int, Any]:
+    return await api(
+        session,
+        gateway,
+        "PUT",
+        f"/checkpoints/{RESOURCE}",
+        who,
+        headers={"X-Fence-Token": str(fence), **extra},
+        json={"step": step, "state": state},
+    )
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_a_replacement_worker_sees_where_its_predecessor_got_to(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    gateway_factory: GatewayFactory,
+    session: aiohttp.ClientSession,
+) -> None:
+    gateway = await gateway_factory(
+        make_policy(
+            upstream.url,
+            [{"match": "task/*", "lease": {"issuer": "gateway", "ttl_s": 1, "max_ttl_s": 60}}],
+            timeout_s=TIMEOUT_S,
+        ),
+        extra_env={
+            "GATEWAY_CLIENTS": str(clients_file(tmp_path / "clients.yaml")),
+            "GATEWAY_RECONCILE_GRACE_S": str(GRACE_S),
+        },
+    )
+    status, lease_a = await api(
+        session, gateway, "POST", f"/leases/{RESOURCE}", "agent-a", json={"owner": "run-a"}
+    )
+    assert status == 201, lease_a
+    fence_a = lease_a["fence"]
+
+    # A: the first step, then its checkpoint, written once however often it is retried
+    first = await call(
+        session,
+        "POST",
+        f"{gateway.url}/tool/prepare",
+        json={"order": 7},
+        headers={**fenced_headers(RESOURCE, fence_a), **proxy("agent-a")},
+    )
+    assert first.status == 200
+    state = {"order": 7, "prepared": True, "items": [1, 2]}
+    status, written = await checkpoint(session, gateway, "agent-a", fence_a, "prepared", state)
+    assert status == 201, written
+    assert pick(written, ("resource", "seq", "fence", "owner", "client", "step", "state")) == {
+        "resource": RESOURCE,
+        "seq": 1,
+        "fence": fence_a,
+        "owner": "run-a",
+        "client": "agent-a",
+        "step": "prepared",
+        "state": state,
+    }
+    reordered = {"items": [1, 2], "prepared": True, "order": 7}
+    status, again = await checkpoint(session, gateway, "agent-a", fence_a, "prepared", reordered)
+    assert (status, again) == (200, written)
+
+    # A: a call that completes, then one whose outcome is lost with the gateway
+    charged = await call(
+        session,
+        "POST",
+        f"{gateway.url}/tool/charge",
+        json={"order": 7},
+        headers={**fenced_headers(RESOURCE, fence_a), **proxy("agent-a")},
+    )
+    assert charged.status == 200
+    upstream.script("/api/ship", Behavior(delay=2.0))
+    ship = asyncio.create_task(
+        call(
+            session,
+            "POST",
+            f"{gateway.url}/tool/ship",
+            json={"order": 7},
+            headers={**fenced_headers(RESOURCE, fence_a), **proxy("agent-a")},
+        )
+    )
+    await upstream.wait_received(3)
+    await gateway.kill9()  # the tool has the call; its answer will never be recorded
+    assert (await ship).status is None
+    await gateway.restart()
+
+    # B takes the resource over once A's lease has expired (A is gone)
+    async def take_over() -> bool:
+        status, lease = await api(
+            session,
+            gateway,
+            "POST",
+            f"/leases/{RESOURCE}",
+            "agent-b",
+            json={"owner": "run-b", "ttl_s": 30},
+        )
+        taken.update(lease if status == 201 else {})
+        return status == 201
+
+    taken: dict[str, Any] = {}
+    await wait_for(take_over, timeout=5, what="B's acquire")
+    fence_b = taken["fence"]
+    assert fence_b > fence_a
+
+    # A, fenced out, cannot move the checkpoint: nothing is written
+    status, refused = await checkpoint(session, gateway, "agent-a", fence_a, "shipped", {})
+    assert (status, refused["code"]) == (409, "stale_fence"), refused
+    assert "highest" not in json.dumps(refused)  # no live fence in the problem
+    status, page = await api(session, gateway, "GET", f"/checkpoints/{RESOURCE}", "agent-b")
+    assert (status, [c["seq"] for c in page["items"]]) == (200, [1])
+
+    # B's run view: A's last checkpoint, the call completed after it, the lost one
+    status, view = await api(session, gateway, "GET", f"/resources/{RESOURCE}", "agent-b")
+    assert status == 200, view
+    assert view["state"] == "outcome_unknown"
+    assert "highest_fence" not in view  # an agent is not shown it
+    assert view["checkpoint"] == written
+    assert (view["lease"]["owner"], view["lease"]["fence"]) == ("run-b", fence_b)
+    since = view["since_checkpoint"]
+    assert [(r["path"], r["status"]) for r in since["completed"]] == [("/charge", "succeeded")]
+    assert [(r["path"], r["status"]) for r in since["needs_confirmation"]] == [
+        ("/ship", "outcome_unknown")
+    ]
+    assert since["rejected"] == 0
+    lost_id = since["needs_confirmation"][0]["id"]
+
+    # past the call's timeout and the grace, it is for a reconciler
+    async def reconcilable() -> bool:
+        _, seen = await api(session, gateway, "GET", f"/resources/{RESOURCE}", "agent-b")
+        return bool(seen["state"] == "reconciliation_required")
+
+    await wait_for(reconcilable, timeout=TIMEOUT_S + GRACE_S + 3, what="past the grace")
+    status, full = await api(session, gateway, "GET", f"/resources/{RESOURCE}", "recon")
+    assert (status, full["highest_fence"]) == (200, fence_b)  # a reconciler sees it
+    status, _ = await api(
+        session,
+        gateway,
+        "POST",
+        f"/receipts/{lost_id}/resolve",
+        "recon",
+        json={"outcome": "applied", "source": "operator:test"},
+    )
+    assert status == 200
+
+    # B goes on: its checkpoint starts a new stretch
+    status, view = await api(session, gateway, "GET", f"/resources/{RESOURCE}", "agent-b")
+    assert view["state"] == "lease_valid"
+    assert [r["status"] for r in view["since_checkpoint"]["completed"]][-1] == "reconciled"
+    status, mine = await checkpoint(session, gateway, "agent-b", fence_b, "shipped", {"o": 7})
+    assert (status, mine["seq"], mine["owner"]) == (201, 2, "run-b")
+    status, view = await api(session, gateway, "GET", f"/resources/{RESOURCE}", "agent-b")
+    assert view["checkpoint"]["step"] == "shipped"
+    assert view["since_checkpoint"] == {"completed": [], "needs_confirmation": [], "rejected": 0}
+
+    # counted (this process's run: after the restart)
+    async with session.get(f"{gateway.url}/_gateway/metrics", headers=bearer("recon")) as resp:
+        text = await resp.text()
+    assert metric(text, 'fence_gateway_checkpoints_total{result="refused"}') == 1
+    assert metric(text, 'fence_gateway_checkpoints_total{result="written"}') == 1
+    # a checkpoint is no call: the receipts are the three calls' only
+    status, page = await api(session, gateway, "GET", f"/receipts?resource={RESOURCE}", "recon")
+    assert [r["path"] for r in page["items"]] == ["/prepare", "/charge", "/ship"]
