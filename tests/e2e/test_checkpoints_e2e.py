@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,16 @@ from tests.harness import (
     RecordingUpstream,
     call,
     fenced_headers,
+    fetch_receipts,
     make_policy,
     pick,
+    problem,
     wait_for,
 )
 
 RESOURCE = "task/run-1"
 KEYS = {"agent-a": "key-a", "agent-b": "key-b", "recon": "key-recon", "other": "key-other"}
-TIMEOUT_S = 3.0  # the tool's timeout_s
+TIMEOUT_S = 5.0  # the tool's timeout_s
 GRACE_S = 1.0  # GATEWAY_RECONCILE_GRACE_S: past timeout_s + this, a lost call may be reconciled
 
 
@@ -247,3 +250,142 @@ async def test_a_replacement_worker_sees_where_its_predecessor_got_to(
     # a checkpoint is no call: the receipts are the three calls' only
     status, page = await api(session, gateway, "GET", f"/receipts?resource={RESOURCE}", "recon")
     assert [r["path"] for r in page["items"]] == ["/prepare", "/charge", "/ship"]
+
+
+SECRET = "checkpoint-secret"
+
+
+def signature(resource: str, fence: int) -> str:
+    return hmac.new(SECRET.encode(), f"{resource}\n{fence}".encode(), hashlib.sha256).hexdigest()
+
+
+async def test_bad_inputs_are_refused_as_problems_and_write_nothing(
+    upstream: RecordingUpstream, gateway_factory: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gateway = await gateway_factory(
+        make_policy(
+            upstream.url,
+            [
+                {"match": "task/*", "lease": {"issuer": "gateway"}},
+                {"match": "ext/*", "lease": {"issuer": "external", "hmac_secret_env": "CK_SECRET"}},
+            ],
+        ),
+        extra_env={"CK_SECRET": SECRET},
+    )
+    url = f"{gateway.url}/_gateway/v1/checkpoints"
+    signed = {"X-Fence-Token": "5", "X-Fence-Signature": signature("ext/1", 5)}
+    good = {"step": "s", "state": {}}
+
+    async def put(path: str, headers: dict[str, str], **kwargs: Any) -> tuple[int, str]:
+        result = await call(session, "PUT", f"{url}/{path}", headers=headers, **kwargs)
+        body = problem(result)  # problem+json, status matching
+        return body["status"], body["code"]
+
+    big_state = {"s": "x" * (65536 - len('{"s":""}') + 1)}  # one byte over, as compact JSON
+    cases: list[tuple[str, dict[str, str], dict[str, Any], tuple[int, str]]] = [
+        ("nowhere/1", signed, {"json": good}, (403, "resource_not_allowed")),
+        ("ext/%20x", signed, {"json": good}, (400, "invalid_resource")),
+        ("ext/1", {}, {"json": good}, (428, "missing_fence")),
+        ("ext/1", {"X-Fence-Token": "05"}, {"json": good}, (400, "invalid_fence")),
+        ("ext/1", {**signed, "X-Lease-Owner": "a b"}, {"json": good}, (400, "invalid_request")),
+        ("ext/1", signed, {"data": b"{not json"}, (400, "invalid_request")),
+        ("ext/1", signed, {"data": b'{"step":"s","state":NaN}'}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": [good]}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": "s"}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {**good, "more": 1}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": "", "state": 1}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": "x" * 129, "state": 1}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": "a\nb", "state": 1}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": 7, "state": 1}}, (400, "invalid_request")),
+        ("ext/1", signed, {"json": {"step": "s", "state": big_state}}, (400, "invalid_request")),
+        (
+            "ext/1",
+            signed,
+            {"json": {"step": "s", "state": "x" * 140_000}},
+            (413, "body_too_large"),
+        ),
+        (
+            "ext/1",
+            signed,
+            {"data": _chunks(b'{"step":"s","state":"' + b"x" * 140_000 + b'"}')},
+            (413, "body_too_large"),
+        ),
+        ("ext/1", {"X-Fence-Token": "5"}, {"json": good}, (403, "bad_fence_signature")),
+        ("task/1", {"X-Fence-Token": "1"}, {"json": good}, (403, "fence_not_issued")),
+    ]
+    for path, headers, body, expected in cases:
+        assert await put(path, headers, **body) == expected, (path, headers, str(body)[:80])
+
+    # the limits themselves are accepted
+    at_limits = {"step": "x" * 128, "state": {"s": "é" * ((65536 - 8) // 2)}}
+    raw = json.dumps(at_limits, ensure_ascii=False).encode()
+    assert (await call(session, "PUT", f"{url}/ext/1", headers=signed, data=raw)).status == 201
+
+    # nothing else was written: one checkpoint, no receipt anywhere
+    status, page = await api(session, gateway, "GET", "/checkpoints/ext/1")
+    assert (status, [c["step"] for c in page["items"]]) == (200, ["x" * 128])
+    status, page = await api(session, gateway, "GET", "/checkpoints/task/1")
+    assert (status, page) == (200, {"items": [], "next_cursor": None})
+    assert await fetch_receipts(session, gateway.url) == []
+
+    # reading: bad parameters, another method, a resource no rule covers
+    for query in ("?cursor=after:5", "?limit=0", "?other=1"):
+        result = await call(session, "GET", f"{url}/ext/1{query}")
+        assert (problem(result)["status"], problem(result)["code"]) == (400, "invalid_request")
+    refused = await call(session, "POST", f"{url}/ext/1", json=good)
+    assert problem(refused)["status"] == 405
+    assert refused.headers is not None and refused.headers["Allow"] == "GET, HEAD, PUT"
+    for path in ("/checkpoints/nowhere/1", "/resources/nowhere/1"):
+        result = await call(session, "GET", f"{gateway.url}/_gateway/v1{path}")
+        assert problem(result)["code"] == "resource_not_allowed"
+
+    async with session.get(f"{gateway.url}/_gateway/metrics") as resp:
+        text = await resp.text()
+    assert metric(text, 'fence_gateway_checkpoints_total{result="refused"}') == len(cases)
+    assert metric(text, 'fence_gateway_checkpoints_total{result="written"}') == 1
+
+
+def _chunks(data: bytes) -> Any:
+    """A body sent chunked, without Content-Length."""
+
+    async def gen() -> Any:
+        for i in range(0, len(data), 16384):
+            yield data[i : i + 16384]
+
+    return gen()
+
+
+async def test_pages_newest_first_and_the_view_of_an_idle_resource(
+    upstream: RecordingUpstream, gateway_factory: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gateway = await gateway_factory(make_policy(upstream.url, [{"match": "ext/*"}]))
+    for n in range(5):
+        result = await call(
+            session,
+            "PUT",
+            f"{gateway.url}/_gateway/v1/checkpoints/ext/p",
+            headers={"X-Fence-Token": "3"},
+            json={"step": f"s{n}", "state": n},
+        )
+        assert result.status == 201
+    seen, cursor = [], None
+    while True:
+        query = "?limit=2" + (f"&cursor={cursor}" if cursor else "")
+        status, page = await api(session, gateway, "GET", f"/checkpoints/ext/p{query}")
+        seen += [c["seq"] for c in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [5, 4, 3, 2, 1]
+    status, view = await api(session, gateway, "GET", "/resources/ext/q")
+    assert (status, view) == (
+        200,
+        {
+            "resource": "ext/q",
+            "state": "idle",
+            "lease": None,
+            "highest_fence": 0,  # open: no agent to hide it from
+            "checkpoint": None,
+            "since_checkpoint": {"completed": [], "needs_confirmation": [], "rejected": 0},
+        },
+    )
