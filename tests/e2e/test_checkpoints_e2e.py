@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.client import GatewayClient, LeaseLost
 from tests.harness import (
     Behavior,
     GatewayFactory,
@@ -389,3 +390,70 @@ async def test_pages_newest_first_and_the_view_of_an_idle_resource(
             "since_checkpoint": {"completed": [], "needs_confirmation": [], "rejected": 0},
         },
     )
+
+
+async def test_the_client_library_checkpoints_and_resumes(
+    upstream: RecordingUpstream, gateway_factory: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gateway = await gateway_factory(
+        make_policy(upstream.url, [{"match": "task/*", "lease": {"issuer": "gateway"}}])
+    )
+    async with GatewayClient(gateway.url) as gw:
+        lease_a = gw.lease(RESOURCE, owner="run-a", ttl_s=30)
+        await lease_a.acquire()
+        first = await lease_a.checkpoint("one", {"n": 1})
+        assert (first.seq, first.fence, first.owner, first.state) == (
+            1,
+            lease_a.fence,
+            "run-a",
+            {"n": 1},
+        )
+        assert await lease_a.checkpoint("one", {"n": 1}) == first  # a retry: the same one
+        status, _ = await api(session, gateway, "DELETE", f"/leases/{RESOURCE}?force=true")
+        assert status == 204
+        async with gw.lease(RESOURCE, owner="run-b", ttl_s=30) as lease_b:
+            try:
+                await lease_a.checkpoint("two", {"n": 2})
+                raise AssertionError("a taken-over lease wrote a checkpoint")
+            except LeaseLost as exc:
+                assert exc.code == "stale_fence"
+            assert lease_a.lost
+            view = await gw.resume(RESOURCE)
+            assert (view.state, view.checkpoint, view.highest_fence) == (
+                "lease_valid",
+                first,
+                lease_b.fence,
+            )
+            assert view.lease is not None and view.lease.owner == "run-b"
+            page, cursor = await gw.checkpoints(RESOURCE)
+            assert (page, cursor) == ([first], None)
+        await lease_a.release()
+
+
+async def test_the_sweeper_prunes_past_retention_but_keeps_the_last(
+    upstream: RecordingUpstream, gateway_factory: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gateway = await gateway_factory(
+        make_policy(
+            upstream.url,
+            [{"match": "long/*"}, {"match": "short/*", "idempotency": {"retention_s": 0.3}}],
+        )
+    )
+    for path, count in (("short/r", 3), ("long/r", 2)):
+        for n in range(count):
+            result = await call(
+                session,
+                "PUT",
+                f"{gateway.url}/_gateway/v1/checkpoints/{path}",
+                headers={"X-Fence-Token": "1"},
+                json={"step": f"s{n}", "state": None},
+            )
+            assert result.status == 201
+
+    async def only_the_last() -> bool:
+        _, page = await api(session, gateway, "GET", "/checkpoints/short/r")
+        return [c["seq"] for c in page["items"]] == [3]
+
+    await wait_for(only_the_last, timeout=5, what="the sweeper's pruning")
+    _, page = await api(session, gateway, "GET", "/checkpoints/long/r")
+    assert [c["seq"] for c in page["items"]] == [2, 1]  # within retention: all kept
