@@ -193,6 +193,25 @@ async def test_a_replacement_worker_sees_where_its_predecessor_got_to(
     fence_b = taken["fence"]
     assert fence_b > fence_a
 
+    # who may: agents their own resources only; reconcilers read; no key, no entry
+    for who, method, path, expected in [
+        ("other", "PUT", "checkpoints", (403, "forbidden")),
+        ("recon", "PUT", "checkpoints", (403, "forbidden")),
+        ("other", "GET", "checkpoints", (403, "forbidden")),
+        ("other", "GET", "resources", (403, "forbidden")),
+        (None, "GET", "resources", (401, "unauthenticated")),
+    ]:
+        status, body = await api(
+            session,
+            gateway,
+            method,
+            f"/{path}/{RESOURCE}",
+            who,
+            headers={"X-Fence-Token": str(fence_a)},
+            json={"step": "x", "state": 1} if method == "PUT" else None,
+        )
+        assert (status, body["code"]) == expected, (who, method, path, body)
+
     # A, fenced out, cannot move the checkpoint: nothing is written
     status, refused = await checkpoint(session, gateway, "agent-a", fence_a, "shipped", {})
     assert (status, refused["code"]) == (409, "stale_fence"), refused
@@ -246,7 +265,9 @@ async def test_a_replacement_worker_sees_where_its_predecessor_got_to(
     # counted (this process's run: after the restart)
     async with session.get(f"{gateway.url}/_gateway/metrics", headers=bearer("recon")) as resp:
         text = await resp.text()
-    assert metric(text, 'fence_gateway_checkpoints_total{result="refused"}') == 1
+    # refused: the other agent's and A's stale one (the reconciler's was refused for its
+    # role at the edge, before any checkpoint was looked at)
+    assert metric(text, 'fence_gateway_checkpoints_total{result="refused"}') == 2
     assert metric(text, 'fence_gateway_checkpoints_total{result="written"}') == 1
     # a checkpoint is no call: the receipts are the three calls' only
     status, page = await api(session, gateway, "GET", f"/receipts?resource={RESOURCE}", "recon")

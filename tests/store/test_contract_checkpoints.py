@@ -165,3 +165,36 @@ class TestRunRecords:
         assert records.checkpoint is None and records.lease is None
         assert [r.id for r in records.completed] == [first.receipt_id]
         assert records.needs_confirmation == [] and records.unknown_since == {}
+
+
+class TestRaces:
+    async def test_no_checkpoint_of_the_old_owner_lands_after_a_takeover(self, store) -> None:
+        """The old owner writes while an admin revokes and a new owner acquires: every
+        checkpoint it got in was appended before the new lease existed, by the store's
+        clock, and every later one was refused."""
+        a = (await store.acquire(RESOURCE, "run-a", 30, 0, None, None)).lease
+
+        async def old_owner() -> list[object]:
+            results: list[object] = []
+            for n in range(2000):  # until refused: the takeover comes after a few writes
+                results.append(
+                    await store.write_checkpoint(new(a.fence, f"a{n}"), "gateway", False)
+                )
+                if isinstance(results[-1], CheckpointRefused) and len(results) > 3:
+                    break
+            return results
+
+        async def takeover():
+            await asyncio.sleep(0.01)
+            await store.release(RESOURCE, None, None)
+            return (await store.acquire(RESOURCE, "run-b", 30, 0, None, None)).lease
+
+        results, b = await asyncio.gather(old_owner(), takeover())
+        landed = [r.checkpoint for r in results if isinstance(r, CheckpointWritten)]
+        refused_ = [r.code for r in results if isinstance(r, CheckpointRefused)]
+        assert all(c.at < b.acquired_at for c in landed)
+        assert set(refused_) <= {"lease_expired", "stale_fence"}
+        # refusals only after the last write that landed: a single switch
+        kinds = [isinstance(r, CheckpointWritten) for r in results]
+        assert kinds == sorted(kinds, reverse=True)
+        assert refused_ and landed, "the takeover did not race the writes"
