@@ -39,9 +39,19 @@ def latest_checkpoint(p: Placeholder) -> str:
 
 
 def insert_checkpoint(p: Placeholder) -> str:
-    """Parameters: resource, seq, fence, owner, client, step, state, at, expires_at."""
+    """The resource's new last checkpoint: it does not expire while it is the last.
+    Parameters: resource, seq, fence, owner, client, step, state, at, retention_s."""
     values = ", ".join(p(n) for n in range(1, 10))
-    return f"INSERT INTO checkpoints ({CHECKPOINT_SELECT}, expires_at) VALUES ({values})"
+    return f"INSERT INTO checkpoints ({CHECKPOINT_SELECT}, retention_s) VALUES ({values})"
+
+
+def retire_checkpoint(p: Placeholder) -> str:
+    """A checkpoint that is no longer the last starts to expire, counted from when it was
+    written. Parameters: resource, seq."""
+    return (
+        "UPDATE checkpoints SET expires_at = at + retention_s "
+        f"WHERE resource = {p(1)} AND seq = {p(2)}"
+    )
 
 
 def list_checkpoints(p: Placeholder, before: bool) -> str:
@@ -54,11 +64,10 @@ def list_checkpoints(p: Placeholder, before: bool) -> str:
 
 
 def prune_checkpoints(p: Placeholder, now_sql: str) -> str:
-    """Past retention and not the resource's last; parameters: batch size."""
+    """Past retention (a last checkpoint has no `expires_at`); parameters: batch size."""
     return (
-        "DELETE FROM checkpoints WHERE (resource, seq) IN (SELECT c.resource, c.seq FROM "
-        f"checkpoints c WHERE c.expires_at < {now_sql} AND c.seq < (SELECT max(m.seq) FROM "
-        f"checkpoints m WHERE m.resource = c.resource) LIMIT {p(1)})"
+        "DELETE FROM checkpoints WHERE (resource, seq) IN (SELECT resource, seq FROM "
+        f"checkpoints WHERE expires_at < {now_sql} LIMIT {p(1)})"
     )
 
 

@@ -1073,13 +1073,14 @@ class PostgresStore:
                 now, issued, accepted = locked["now"], locked["issued"], locked["accepted"]
             current = await self._lease(conn, new.resource) if issuer == "gateway" else None
             row = await conn.fetchrow(cp.latest_checkpoint(_dollar), new.resource)
+            latest = cp.checkpoint_of(row) if row else None
             decision = checkpoints.decide_write(
                 issuer,
                 new,
                 issued,
                 accepted,
                 current.view(now) if current else None,
-                cp.checkpoint_of(row) if row else None,
+                latest,
                 clients_configured,
             )
             if isinstance(decision, checkpoints.Refuse):
@@ -1096,6 +1097,8 @@ class PostgresStore:
                 new.state,
                 now,
             )
+            if latest is not None:
+                await conn.execute(cp.retire_checkpoint(_dollar), latest.resource, latest.seq)
             await conn.execute(
                 cp.insert_checkpoint(_dollar),
                 written.resource,
@@ -1106,7 +1109,7 @@ class PostgresStore:
                 written.step,
                 written.state,
                 written.at,
-                now + new.retention_s,
+                new.retention_s,
             )
             return CheckpointWritten(written, created=True)
 

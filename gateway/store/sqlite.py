@@ -852,14 +852,9 @@ class SqliteStore:
         issued, accepted = self._fences(conn, new.resource)
         current = self._lease(conn, new.resource) if issuer == "gateway" else None
         row = conn.execute(cp.latest_checkpoint(_q), (new.resource,)).fetchone()
+        latest = cp.checkpoint_of(row) if row else None
         decision = checkpoints.decide_write(
-            issuer,
-            new,
-            issued,
-            accepted,
-            current.view(now) if current else None,
-            cp.checkpoint_of(row) if row else None,
-            clients,
+            issuer, new, issued, accepted, current.view(now) if current else None, latest, clients
         )
         if isinstance(decision, checkpoints.Refuse):
             return CheckpointRefused(decision.code)
@@ -875,8 +870,9 @@ class SqliteStore:
             new.state,
             now,
         )
-        expires_at = now + new.retention_s
-        conn.execute(cp.insert_checkpoint(_q), (*_checkpoint_values(written), expires_at))
+        if latest is not None:
+            conn.execute(cp.retire_checkpoint(_q), (latest.resource, latest.seq))
+        conn.execute(cp.insert_checkpoint(_q), (*_checkpoint_values(written), new.retention_s))
         return CheckpointWritten(written, created=True)
 
     async def list_checkpoints(
