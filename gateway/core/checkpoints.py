@@ -49,6 +49,9 @@ class Checkpoint:
     step: str
     state: str
     at: float
+    # Where it falls among the resource's receipts: a position in receipt-id order, made by
+    # the store when it was written (`gateway.store.checkpoint_rows.since`). Not shown.
+    mark: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,17 @@ from gateway.store.rows import RECEIPT_SELECT
 
 Placeholder = Callable[[int], str]
 
-CHECKPOINT_COLUMNS = ("resource", "seq", "fence", "owner", "client", "step", "state", "at")
+CHECKPOINT_COLUMNS = (
+    "resource",
+    "seq",
+    "fence",
+    "owner",
+    "client",
+    "step",
+    "state",
+    "at",
+    "mark",
+)
 CHECKPOINT_SELECT = ", ".join(CHECKPOINT_COLUMNS)
 
 # Receipt ids begin with the millisecond they were made in, by the clock of the process that
@@ -40,8 +50,8 @@ def latest_checkpoint(p: Placeholder) -> str:
 
 def insert_checkpoint(p: Placeholder) -> str:
     """The resource's new last checkpoint: it does not expire while it is the last.
-    Parameters: resource, seq, fence, owner, client, step, state, at, retention_s."""
-    values = ", ".join(p(n) for n in range(1, 10))
+    Parameters: resource, seq, fence, owner, client, step, state, at, mark, retention_s."""
+    values = ", ".join(p(n) for n in range(1, 11))
     return f"INSERT INTO checkpoints ({CHECKPOINT_SELECT}, retention_s) VALUES ({values})"
 
 
@@ -71,24 +81,31 @@ def prune_checkpoints(p: Placeholder, now_sql: str) -> str:
     )
 
 
-def since(checkpoint: Checkpoint | None) -> tuple[str, float]:
-    """(lowest receipt id, `created_at` to be after): the bounds of the receipts made since
-    `checkpoint`; every receipt of the resource when there is none."""
+def since(checkpoint: Checkpoint | None) -> tuple[str, str, float]:
+    """(lowest receipt id to look at, the checkpoint's mark, its `at`): the parameters of the
+    receipts made since `checkpoint`; every receipt of the resource when there is none.
+
+    A receipt is made since the checkpoint when its id sorts after the checkpoint's mark (the
+    store makes both from one sequence: exact within one process, even when the clock steps
+    back) or it was created after the checkpoint by the store's clock (which orders the
+    receipts of other replicas, whose ids made within the same millisecond sort by chance).
+    Either way a receipt that may be later is shown: a call shown once too often is checked
+    once more, one left out would be redone blindly."""
     if checkpoint is None:
-        return "", float("-inf")
-    return id_floor(checkpoint.at - ID_MARGIN_S), checkpoint.at
+        return "", "", float("-inf")
+    return id_floor(checkpoint.at - ID_MARGIN_S), checkpoint.mark, checkpoint.at
 
 
-_SINCE = "resource = {r} AND id >= {i} AND created_at > {t}"
+_SINCE = "resource = {r} AND id >= {i} AND (id > {m} OR created_at > {t})"
 
 
 def _where(p: Placeholder) -> str:
-    return _SINCE.format(r=p(1), i=p(2), t=p(3))
+    return _SINCE.format(r=p(1), i=p(2), m=p(3), t=p(4))
 
 
 def group_receipts(p: Placeholder, group: Group) -> str:
     """The newest receipts of `group` made since the checkpoint, newest first; parameters:
-    resource, lowest id, created after."""
+    resource and `since`'s."""
     statuses = ", ".join(f"'{status}'" for status in statuses_of(group))
     return (
         f"SELECT {RECEIPT_SELECT} FROM receipts WHERE {_where(p)} AND status IN ({statuses}) "

@@ -1096,6 +1096,7 @@ class PostgresStore:
                 new.step,
                 new.state,
                 now,
+                mark=self._new_id(now),
             )
             if latest is not None:
                 await conn.execute(cp.retire_checkpoint(_dollar), latest.resource, latest.seq)
@@ -1109,6 +1110,7 @@ class PostgresStore:
                 written.step,
                 written.state,
                 written.at,
+                written.mark,
                 new.retention_s,
             )
             return CheckpointWritten(written, created=True)

@@ -90,7 +90,7 @@ def _q(_: int) -> str:
 
 
 def _checkpoint_values(c: Checkpoint) -> tuple[object, ...]:
-    return (c.resource, c.seq, c.fence, c.owner, c.client, c.step, c.state, c.at)
+    return (c.resource, c.seq, c.fence, c.owner, c.client, c.step, c.state, c.at, c.mark)
 
 
 class StoreLocked(Exception):
@@ -869,6 +869,7 @@ class SqliteStore:
             new.step,
             new.state,
             now,
+            mark=self._new_id(now),  # in the writer thread, as every receipt id
         )
         if latest is not None:
             conn.execute(cp.retire_checkpoint(_q), (latest.resource, latest.seq))

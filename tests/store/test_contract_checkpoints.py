@@ -5,8 +5,12 @@ moves no fence, reads come newest first, retention keeps the last one."""
 import asyncio
 import json
 
+import pytest
+
 from gateway.core.checkpoints import NewCheckpoint, encoded_state
 from gateway.store.base import Admitted, CheckpointRefused, CheckpointWritten, Outcome
+from tests.harness import FakeClock
+from tests.store.conftest import make_store
 from tests.store.test_contract import call, ok
 
 RESOURCE = "acct/1"
@@ -198,3 +202,27 @@ class TestRaces:
         kinds = [isinstance(r, CheckpointWritten) for r in results]
         assert kinds == sorted(kinds, reverse=True)
         assert refused_ and landed, "the takeover did not race the writes"
+
+
+class TestSinceTheCheckpointByTheStoresOrder:
+    @pytest.mark.sqlite_only
+    async def test_same_tick_and_a_clock_stepping_back(self, tmp_path) -> None:
+        """'Since the checkpoint' follows the order things happened in, also when the clock
+        does not move between them or steps back."""
+        clock = FakeClock(1000.0)
+        store = make_store("sqlite", tmp_path, clock=clock)
+        await store.open()
+        try:
+            before = await store.admit(call(3, key="before"))
+            await written(store, new(3, "mark"), issuer="external")
+            same_tick = await store.admit(call(3, key="same-tick"))
+            clock.now = 990.0  # the clock steps back
+            stepped_back = await store.admit(call(3, key="stepped-back"))
+            records = await store.run_records(RESOURCE)
+            assert [r.id for r in records.needs_confirmation] == [
+                same_tick.receipt_id,
+                stepped_back.receipt_id,
+            ]
+            assert before.receipt_id < same_tick.receipt_id
+        finally:
+            await store.close()

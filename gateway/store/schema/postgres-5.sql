@@ -14,6 +14,7 @@ CREATE TABLE checkpoints (
     step        text NOT NULL,
     state       text NOT NULL,
     at          double precision NOT NULL,
+    mark        text COLLATE "C" NOT NULL,  -- its place in receipt-id order
     retention_s double precision NOT NULL,
     expires_at  double precision,
     PRIMARY KEY (resource, seq)

@@ -13,6 +13,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     step        TEXT NOT NULL,
     state       TEXT NOT NULL,
     at          REAL NOT NULL,
+    mark        TEXT NOT NULL,  -- its place in receipt-id order
     retention_s REAL NOT NULL,
     expires_at  REAL,
     PRIMARY KEY (resource, seq)
