@@ -6,7 +6,7 @@ SQLite (`?`) and PostgreSQL (`$n`) read and prune alike; rows turn into values h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gateway.core.checkpoints import RUN_VIEW_LIST_MAX, Checkpoint, Group, statuses_of
@@ -113,14 +113,23 @@ def group_receipts(p: Placeholder, group: Group) -> str:
     )
 
 
-def count_rejected(p: Placeholder) -> str:
-    return f"SELECT count(*) AS n FROM receipts WHERE {_where(p)} AND status = 'rejected'"
-
-
-def unknown_since(p: Placeholder) -> str:
-    """Per upstream, when the earliest `outcome_unknown` call made since the checkpoint left
-    (`gateway.core.checkpoints.run_state`)."""
+def tallies(p: Placeholder) -> str:
+    """The rejected receipts made since the checkpoint, and per upstream when the earliest
+    `outcome_unknown` call among them left (`gateway.core.checkpoints.run_state`), in one
+    read: rows of (status, upstream, n, left_at)."""
     return (
-        "SELECT upstream, min(coalesce(forwarded_at, created_at)) AS left_at FROM receipts "
-        f"WHERE {_where(p)} AND status = 'outcome_unknown' GROUP BY upstream"
+        "SELECT status, upstream, count(*) AS n, min(coalesce(forwarded_at, created_at)) "
+        f"AS left_at FROM receipts WHERE {_where(p)} AND status IN ('rejected', "
+        "'outcome_unknown') GROUP BY status, upstream"
     )
+
+
+def rejected_and_unknown(rows: Iterable[Mapping[str, Any]]) -> tuple[int, dict[str, float]]:
+    """`tallies`' rows: (how many rejected, per upstream when the earliest unknown left)."""
+    rejected, unknown = 0, {}
+    for row in rows:
+        if row["status"] == "rejected":
+            rejected += row["n"]
+        else:
+            unknown[row["upstream"]] = row["left_at"]
+    return rejected, unknown

@@ -117,6 +117,20 @@ _LOCK_FENCES_ROW = (
     f"SELECT issued, accepted, {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
 )
 
+# The run view's head in one read: the database's time, the fences, the lease and the latest
+# checkpoint of a resource.
+_RUN_HEAD = (
+    f"SELECT {_NOW} AS now, f.issued, f.accepted, "
+    + ", ".join(
+        [f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS]
+        + [f"c.{c} AS c_{c}" for c in cp.CHECKPOINT_COLUMNS]
+    )
+    + " FROM (VALUES (1)) AS one (x) LEFT JOIN fences f ON f.resource = $1 "
+    "LEFT JOIN leases l ON l.resource = $1 "
+    "LEFT JOIN LATERAL (SELECT * FROM checkpoints WHERE resource = $1 "
+    "ORDER BY seq DESC LIMIT 1) c ON true"
+)
+
 _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 
 # After the lock: the lease, the key's latest receipt and, without one, the earlier attempts.
@@ -1138,32 +1152,25 @@ class PostgresStore:
         return await self._run(op, writes=False)
 
     async def _run_records(self, conn: Any, resource: str) -> RunRecords:
-        fence_row = await conn.fetchrow(
-            f"SELECT {_NOW} AS now, f.issued, f.accepted FROM (VALUES (1)) AS one (x) "
-            "LEFT JOIN fences f ON f.resource = $1",
-            resource,
-        )
-        now = fence_row["now"]
-        lease = await self._lease(conn, resource)
-        row = await conn.fetchrow(cp.latest_checkpoint(_dollar), resource)
-        checkpoint = cp.checkpoint_of(row) if row else None
+        row = await conn.fetchrow(_RUN_HEAD, resource)
+        now = row["now"]
+        lease = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        checkpoint = cp.checkpoint_of(_prefixed(row, "c_")) if row["c_seq"] is not None else None
         bounds = (resource, *cp.since(checkpoint))
 
         async def newest(group: checkpoints.Group) -> list[Receipt]:
             rows = await conn.fetch(cp.group_receipts(_dollar, group), *bounds)
             return [receipt_of(r) for r in reversed(rows)]
 
+        rejected, unknown = cp.rejected_and_unknown(await conn.fetch(cp.tallies(_dollar), *bounds))
         return RunRecords(
             lease=shown(lease, now) if lease else None,
-            highest_fence=max(fence_row["issued"] or 0, fence_row["accepted"] or 0),
+            highest_fence=max(row["issued"] or 0, row["accepted"] or 0),
             checkpoint=checkpoint,
             completed=await newest("completed"),
             needs_confirmation=await newest("needs_confirmation"),
-            rejected=await conn.fetchval(cp.count_rejected(_dollar), *bounds),
-            unknown_since={
-                r["upstream"]: r["left_at"]
-                for r in await conn.fetch(cp.unknown_since(_dollar), *bounds)
-            },
+            rejected=rejected,
+            unknown_since=unknown,
             now=now,
         )
 

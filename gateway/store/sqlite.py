@@ -907,17 +907,15 @@ class SqliteStore:
             rows = conn.execute(cp.group_receipts(_q, group), bounds).fetchall()
             return [receipt_of(r) for r in reversed(rows)]
 
+        rejected, unknown = cp.rejected_and_unknown(conn.execute(cp.tallies(_q), bounds))
         return RunRecords(
             lease=shown(lease, now) if lease else None,
             highest_fence=max(issued, accepted),
             checkpoint=checkpoint,
             completed=newest("completed"),
             needs_confirmation=newest("needs_confirmation"),
-            rejected=conn.execute(cp.count_rejected(_q), bounds).fetchone()["n"],
-            unknown_since={
-                r["upstream"]: r["left_at"]
-                for r in conn.execute(cp.unknown_since(_q), bounds).fetchall()
-            },
+            rejected=rejected,
+            unknown_since=unknown,
             now=now,
         )
 
