@@ -7,11 +7,13 @@
             await slow_model_call()            # renewal keeps running in the background
             lease.check()                       # before a side effect that is not an HTTP call
             await lease.post("/browser/sessions/7/type", json={"text": "hi"})
+            await lease.checkpoint("typed", {"session": 7})  # where a successor resumes
             async with await lease.websocket("/cdp/devtools/browser") as ws:  # a fenced session
                 await ws.send_str('{"id": 1, "method": "Browser.getVersion"}')
             # Playwright over CDP: connect_over_cdp(url, headers=lease.cdp_headers())
             # MCP: headers=lease.mcp_headers() on the client's HTTP connection, or
             # call_tool(..., meta=lease.mcp_meta()) on each tool call
+        view = await gw.resume("browser/account-42")   # a successor: checkpoint, calls since
     # LeaseHeld: the acquire gave up after acquire_timeout_s of polite retries.
     # LeaseLost: renewal failed or the local deadline passed; raised before any byte is sent.
     # GatewayError: any other problem+json the gateway answered (code = docs/contract.md §5 code).
@@ -117,6 +119,66 @@ class LeaseInfo:
     def ttl_s(self) -> float:
         """The TTL the gateway granted, from two of its own timestamps, so clock skew cancels."""
         return (self.expires_at - (self.renewed_at or self.acquired_at)).total_seconds()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A checkpoint as the gateway returned it (docs/contract.md §17)."""
+
+    resource: str
+    seq: int
+    fence: int
+    owner: str | None
+    client: str | None
+    step: str
+    state: Any
+    at: datetime
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> CheckpointInfo:
+        return cls(
+            resource=doc["resource"],
+            seq=int(doc["seq"]),
+            fence=int(doc["fence"]),
+            owner=doc.get("owner"),
+            client=doc.get("client"),
+            step=doc["step"],
+            state=doc["state"],
+            at=datetime.fromisoformat(doc["at"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """What a replacement worker reads before it resumes a resource's task
+    (docs/contract.md §17): the lease, the last checkpoint, and the receipts of the calls
+    made since it (as JSON, docs/contract.md §7): `completed` ones, and the ones that
+    `needs_confirmation` (in flight, or their outcome was lost) before anything is redone.
+    `state`: lease_valid, lease_lost, outcome_unknown, reconciliation_required or idle.
+    `highest_fence` is None for an agent (the gateway does not show it to agents)."""
+
+    resource: str
+    state: str
+    lease: LeaseInfo | None
+    highest_fence: int | None
+    checkpoint: CheckpointInfo | None
+    completed: list[dict[str, Any]]
+    needs_confirmation: list[dict[str, Any]]
+    rejected: int
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RunView:
+        since = doc["since_checkpoint"]
+        return cls(
+            resource=doc["resource"],
+            state=doc["state"],
+            lease=LeaseInfo.from_json(doc["lease"]) if doc.get("lease") else None,
+            highest_fence=doc.get("highest_fence"),
+            checkpoint=CheckpointInfo.from_json(doc["checkpoint"]) if doc["checkpoint"] else None,
+            completed=list(since["completed"]),
+            needs_confirmation=list(since["needs_confirmation"]),
+            rejected=int(since["rejected"]),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +398,52 @@ class GatewayClient:
     async def get_lease(self, resource: str) -> LeaseInfo:
         return LeaseInfo.from_json(await self.api("GET", _lease_path(resource)))
 
+    async def resume(self, resource: str) -> RunView:
+        """The run view of `resource` (docs/contract.md §17): where its last owner had got to,
+        which calls since then completed, and which need confirmation first."""
+        return RunView.from_json(await self.api("GET", "/resources/" + _quoted(resource)))
+
+    async def checkpoint(
+        self,
+        resource: str,
+        fence: int,
+        step: str,
+        state: Any,
+        *,
+        owner: str | None = None,
+        signature: str | None = None,
+        attempts: int = 3,
+    ) -> CheckpointInfo:
+        """Record a checkpoint under `fence` (for fences issued elsewhere; a gateway lease
+        has `lease.checkpoint`). An identical retry appends nothing, so a write whose answer
+        was lost in transit is simply sent again, up to `attempts` times."""
+        headers = {"X-Fence-Token": str(fence)}
+        if owner is not None:
+            headers["X-Lease-Owner"] = owner
+        if signature is not None:
+            headers["X-Fence-Signature"] = signature
+        path = "/checkpoints/" + _quoted(resource)
+        for attempt in range(1, attempts + 1):
+            try:
+                doc = await self.api(
+                    "PUT", path, json_body={"step": step, "state": state}, headers=headers
+                )
+                return CheckpointInfo.from_json(doc)
+            except (GatewayError, aiohttp.ClientError, TimeoutError) as exc:
+                refused = isinstance(exc, GatewayError) and (exc.status or 0) < 500
+                if refused or attempt == attempts:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+    async def checkpoints(
+        self, resource: str, limit: int = 100, cursor: str | None = None
+    ) -> tuple[list[CheckpointInfo], str | None]:
+        """One page of `resource`'s checkpoints, newest first, and the next page's cursor."""
+        query = {"limit": str(limit), **({"cursor": cursor} if cursor else {})}
+        doc = await self.api("GET", "/checkpoints/" + _quoted(resource), params=query)
+        return [CheckpointInfo.from_json(item) for item in doc["items"]], doc["next_cursor"]
+
     def proxy_headers(self) -> dict[str, str]:
         """`Proxy-Authorization` with this client's key, when it has one."""
         return {"Proxy-Authorization": f"Bearer {self._key}"} if self._key else {}
@@ -375,8 +483,12 @@ class GatewayClient:
             return Response(resp.status, resp.headers, body)
 
 
+def _quoted(resource: str) -> str:
+    return quote(resource, safe="/:@")
+
+
 def _lease_path(resource: str) -> str:
-    return "/leases/" + quote(resource, safe="/:@")
+    return "/leases/" + _quoted(resource)
 
 
 class Lease:
@@ -536,6 +648,17 @@ class Lease:
         """A fenced call through the gateway; LeaseLost is raised before anything is sent."""
         with self._fenced("a fenced call", kwargs) as headers:
             return await self._client.request(method, path, headers=headers, **kwargs)
+
+    async def checkpoint(self, step: str, state: Any) -> CheckpointInfo:
+        """Record where this task has got to (docs/contract.md §17), outside the resource, so
+        that a replacement worker can resume from it (`GatewayClient.resume`). Only the
+        current owner can: LeaseLost before anything is sent when this lease is lost, and
+        when the gateway refuses the fence (which marks it lost). Retried on a lost answer:
+        the gateway appends an identical retry once."""
+        with self._fenced("a checkpoint", {}):
+            return await self._client.checkpoint(
+                self.resource, self.fence, step, state, owner=self.owner
+            )
 
     @contextlib.contextmanager
     def _fenced(self, what: str, kwargs: dict[str, Any]) -> Iterator[dict[str, str]]:

@@ -13,8 +13,9 @@ from typing import Any, get_args
 
 from aiohttp import web
 
-from gateway.api import params, receipts
+from gateway.api import checkpoints, params, receipts
 from gateway.config.policy import PolicySet
+from gateway.core import checkpoints as checkpoint_rules
 from gateway.core import errors, grammar
 from gateway.core.errors import BY_CODE
 from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
@@ -223,6 +224,58 @@ _SCHEMAS: dict[str, Any] = {
 }
 
 
+_SCHEMAS["Checkpoint"] = {
+    "type": "object",
+    "required": ["resource", "seq", "fence", "owner", "client", "step", "state", "at"],
+    "properties": {
+        "resource": {"type": "string"},
+        "seq": {"type": "integer", "minimum": 1},
+        "fence": {"type": "integer", "minimum": 1},
+        "owner": {"type": ["string", "null"]},
+        "client": {"type": ["string", "null"]},
+        "step": {"type": "string"},
+        "state": {"description": "any JSON, as the owner wrote it"},
+        "at": _TIME,
+    },
+}
+_SCHEMAS["RunView"] = {
+    "type": "object",
+    "required": ["resource", "state", "lease", "checkpoint", "since_checkpoint"],
+    "properties": {
+        "resource": {"type": "string"},
+        "state": {
+            "type": "string",
+            "enum": [
+                "lease_valid",
+                "lease_lost",
+                "outcome_unknown",
+                "reconciliation_required",
+                "idle",
+            ],
+        },
+        "lease": {"oneOf": [{"type": "null"}, {"$ref": "#/components/schemas/Lease"}]},
+        "highest_fence": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "not shown to agents (docs/contract.md §5)",
+        },
+        "checkpoint": {"oneOf": [{"type": "null"}, {"$ref": "#/components/schemas/Checkpoint"}]},
+        "since_checkpoint": {
+            "type": "object",
+            "required": ["completed", "needs_confirmation", "rejected"],
+            "properties": {
+                "completed": {"type": "array", "items": {"$ref": "#/components/schemas/Receipt"}},
+                "needs_confirmation": {
+                    "type": "array",
+                    "items": {"$ref": "#/components/schemas/Receipt"},
+                },
+                "rejected": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
+
 def _page_of(name: str) -> dict[str, Any]:
     return {
         "type": "object",
@@ -302,6 +355,25 @@ _IDEMPOTENCY_KEY = {
     # the gateway's own keys start with gw-; a client's may not
     "schema": {"type": "string", "pattern": CLIENT_KEY_PATTERN, "not": {"pattern": "^gw-"}},
 }
+
+
+# A checkpoint's fencing headers (docs/contract.md §17, as for a call: §3).
+_FENCING_HEADERS = [
+    {
+        "name": "X-Fence-Token",
+        "in": "header",
+        "required": True,
+        "schema": {"type": "integer", "minimum": 1, "maximum": grammar.MAX_FENCE},
+    },
+    {"name": "X-Lease-Owner", "in": "header", "required": False, "schema": _OWNER},
+    {
+        "name": "X-Fence-Signature",
+        "in": "header",
+        "required": False,
+        "description": "for a rule whose external issuer signs its fences",
+        "schema": {"type": "string"},
+    },
+]
 
 
 def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +476,51 @@ def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
             "get": _op(
                 "The outcome_unknown receipts, oldest first", {"200": receipts_page}, _PAGING
             )
+        },
+        "/_gateway/v1/checkpoints/{resource}": {
+            "parameters": [_RESOURCE],
+            "put": _op(
+                "Write a checkpoint (the current owner only; moves no fence)",
+                {
+                    "201": _answer("The checkpoint appended", _ref("Checkpoint")),
+                    "200": _answer(
+                        "An identical retry: the latest checkpoint, nothing appended",
+                        _ref("Checkpoint"),
+                    ),
+                },
+                _FENCING_HEADERS,
+                body=_object(
+                    ["step", "state"],
+                    step={
+                        "type": "string",
+                        "pattern": checkpoint_rules.STEP_PATTERN,
+                        "description": "1 to 128 characters, no control characters",
+                    },
+                    state={
+                        "description": "any JSON, at most "
+                        f"{checkpoint_rules.MAX_STATE_BYTES} bytes as compact JSON"
+                    },
+                ),
+            ),
+            "get": _op(
+                "The resource's checkpoints, newest first",
+                {"200": _answer("A page of checkpoints", _page_of("Checkpoint"))},
+                [
+                    _PAGING[0],
+                    _query(
+                        "cursor",
+                        {"type": "string", "pattern": checkpoints.CURSOR_PATTERN},
+                        "next_cursor of the previous page (opaque: pass it on as it came)",
+                    ),
+                ],
+            ),
+        },
+        "/_gateway/v1/resources/{resource}": {
+            "parameters": [_RESOURCE],
+            "get": _op(
+                "The run view: lease, last checkpoint, the calls since it",
+                {"200": _answer("The run view", _ref("RunView"))},
+            ),
         },
         "/_gateway/v1/openapi.json": {
             "get": _op("This document", {"200": _answer("OpenAPI 3.1", {"type": "object"})})

@@ -108,6 +108,14 @@ async def json_body(
             raw = await request.read()  # at most the app's client_max_size (1 MiB): 413 above
     except TimeoutError:
         raise errors.RequestTimeout(f"the body did not arrive within {timeout_s}s") from None
+    return json_object(raw, fields, required)
+
+
+def json_object(
+    raw: bytes, fields: dict[str, type | tuple[type, ...]], required: Iterable[str]
+) -> dict[str, Any]:
+    """`raw` as a JSON object with only `fields` (name -> accepted types), `required`
+    present; an empty body is an empty object."""
     try:
         body = json.loads(raw, parse_float=_json_number) if raw else {}
     except (ValueError, UnicodeDecodeError, RecursionError):

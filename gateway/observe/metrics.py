@@ -108,6 +108,12 @@ class Metrics:
             ["upstream", "closed_by"],
             registry=registry,
         )
+        self.checkpoints = Counter(
+            "fence_gateway_checkpoints_total",
+            "Checkpoint writes: written, retried (an identical retry), refused, error",
+            ["result"],
+            registry=registry,
+        )
 
         # What every proxied call counts with, by label values: the child is made on first
         # use, then found by a dict lookup (`labels()` checks its values and takes a lock).

@@ -70,5 +70,10 @@ def _authorize_api(request: web.Request, client: Client) -> None:
             return
         elif not (client.may("agent") and client.covers(resource)):
             raise errors.Forbidden(f"client {client.name} may not use the lease of {resource!r}")
+    elif path.startswith("/_gateway/v1/checkpoints/") and method not in ("GET", "HEAD"):
+        # writing one is acting on the resource (docs/contract.md §17, §3 step 1); which
+        # resources, and reading, are `gateway.api.checkpoints`' to check, in §3's order
+        if not client.may("agent"):
+            raise errors.Forbidden(f"client {client.name} may not write checkpoints")
     elif path == "/_gateway/v1/leases" and not client.may("reconciler"):
         raise errors.Forbidden(f"client {client.name} may not list leases")

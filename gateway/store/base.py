@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
+from gateway.core.checkpoints import Checkpoint, NewCheckpoint
 from gateway.core.cleanups import CleanupClaim, OwedCleanup
 from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.fences import Issuer
@@ -27,12 +28,16 @@ __all__ = [
     "AcquireResult",
     "Admitted",
     "Call",
+    "Checkpoint",
+    "CheckpointRefused",
+    "CheckpointWritten",
     "CleanupClaim",
     "CleanupDelay",
     "Completion",
     "FenceState",
     "Lease",
     "McpRecord",
+    "NewCheckpoint",
     "Outcome",
     "OwedCleanup",
     "Receipt",
@@ -42,6 +47,7 @@ __all__ = [
     "Release",
     "Replayed",
     "ResolveRefused",
+    "RunRecords",
     "SessionRecord",
     "Store",
     "StoreUnavailable",
@@ -234,6 +240,38 @@ def shown(lease: Lease, now: float) -> Lease:
     return replace(lease, state=lease.shown(now))
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointWritten:
+    """The checkpoint appended (`created`), or the latest one an identical retry repeats."""
+
+    checkpoint: Checkpoint
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRefused:
+    """The fence check refused the checkpoint (a §3 step 4 code); nothing was written."""
+
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecords:
+    """What the run view of one resource is made of (docs/contract.md §17), read at one
+    moment: `now` is the store's clock. `completed` and `needs_confirmation` are the newest
+    `RUN_VIEW_LIST_MAX` of the receipts made since the checkpoint, oldest first;
+    `unknown_since` is `gateway.core.checkpoints.run_state`'s."""
+
+    lease: Lease | None  # as shown at `now`
+    highest_fence: int  # the highest fence issued or accepted
+    checkpoint: Checkpoint | None
+    completed: list[Receipt]
+    needs_confirmation: list[Receipt]
+    rejected: int
+    unknown_since: dict[str, float]
+    now: float
+
+
 CleanupDelay = Callable[[str, str], "float | None"]
 """(resource, owner of the expired lease) → the rule's lock delay when a cleanup is owed."""
 
@@ -368,3 +406,26 @@ class Store(Protocol):
         error: str | None = None,
     ) -> None: ...
     async def drop_cleanup(self, resource: str) -> None: ...
+
+    # checkpoints and the run view (§17)
+    async def write_checkpoint(
+        self, new: NewCheckpoint, issuer: Issuer, clients_configured: bool
+    ) -> CheckpointWritten | CheckpointRefused:
+        """The fence check of §3 step 4 and the append, one durable transaction that moves
+        no fence; an identical retry of the latest checkpoint appends nothing
+        (`gateway.core.checkpoints.decide_write`)."""
+        ...
+
+    async def list_checkpoints(
+        self, resource: str, before_seq: int | None, limit: int
+    ) -> list[Checkpoint]:
+        """A resource's checkpoints, newest first, those below `before_seq` when given."""
+        ...
+
+    async def run_records(self, resource: str) -> RunRecords:
+        """Everything the run view shows, read in one snapshot."""
+        ...
+
+    async def prune_checkpoints(self) -> int:
+        """Delete checkpoints past their retention, never a resource's last one."""
+        ...

@@ -32,6 +32,11 @@ class MonotonicUlid:
         return _encode((ms << 80) | random)
 
 
+def id_floor(ts: float) -> str:
+    """The lowest id a writer can make at `ts` or later: a lower bound for ids by time."""
+    return _encode(max(int(ts * 1000), 0) << 80)
+
+
 def _encode(value: int) -> str:
     chars = []
     for _ in range(26):

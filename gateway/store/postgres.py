@@ -24,18 +24,24 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from gateway.core import cleanups, fences, idempotency, leases, liveness, outcomes
+from gateway.core import checkpoints, cleanups, fences, idempotency, leases, liveness, outcomes
 from gateway.core.errors import StoreUnavailable
+from gateway.core.fences import Issuer
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
+from gateway.store import checkpoint_rows as cp
 from gateway.store.base import (
     AcquireResult,
     Admitted,
     Call,
+    Checkpoint,
+    CheckpointRefused,
+    CheckpointWritten,
     CleanupClaim,
     CleanupDelay,
     Completion,
     FenceState,
     Lease,
+    NewCheckpoint,
     Outcome,
     OwedCleanup,
     Receipt,
@@ -45,6 +51,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RunRecords,
     SessionRecord,
     shown,
 )
@@ -71,7 +78,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -104,6 +111,26 @@ _LOCK_FENCES = (
 )
 # The same for a resource that may have no row: no lease without one (acquire writes it).
 _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
+
+# Lock a resource's fences row only if it exists, and read it: a refused checkpoint writes
+# nothing, not even an empty fences row.
+_LOCK_FENCES_ROW = (
+    f"SELECT issued, accepted, {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
+)
+
+# The run view's head in one read: the database's time, the fences, the lease and the latest
+# checkpoint of a resource.
+_RUN_HEAD = (
+    f"SELECT {_NOW} AS now, f.issued, f.accepted, "
+    + ", ".join(
+        [f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS]
+        + [f"c.{c} AS c_{c}" for c in cp.CHECKPOINT_COLUMNS]
+    )
+    + " FROM (VALUES (1)) AS one (x) LEFT JOIN fences f ON f.resource = $1 "
+    "LEFT JOIN leases l ON l.resource = $1 "
+    "LEFT JOIN LATERAL (SELECT * FROM checkpoints WHERE resource = $1 "
+    "ORDER BY seq DESC LIMIT 1) c ON true"
+)
 
 _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 
@@ -1043,6 +1070,123 @@ class PostgresStore:
             writes=True,
         )
 
+    # -- checkpoints and the run view (§17) ----------------------------------------------------
+
+    async def write_checkpoint(
+        self, new: NewCheckpoint, issuer: Issuer, clients_configured: bool
+    ) -> CheckpointWritten | CheckpointRefused:
+        """BEGIN, lock the resource's fences row, read, decide, append, COMMIT; durable in
+        relaxed mode too. Admissions and acquires take the same row lock, so the fence
+        check and the append see one state of the resource's fences and lease."""
+
+        async def op(conn: Any) -> CheckpointWritten | CheckpointRefused:
+            locked = await conn.fetchrow(_LOCK_FENCES_ROW, new.resource)
+            if locked is None and issuer == "external":
+                # no fence was ever accepted: any token passes, and the row to lock is made
+                locked = await conn.fetchrow(_LOCK_FENCES, new.resource)
+            if locked is None:  # never issued: refused (fence_not_issued) without a write
+                now = await conn.fetchval(f"SELECT {_NOW}")
+                issued = accepted = 0
+            else:
+                now, issued, accepted = locked["now"], locked["issued"], locked["accepted"]
+            current = await self._lease(conn, new.resource) if issuer == "gateway" else None
+            row = await conn.fetchrow(cp.latest_checkpoint(_dollar), new.resource)
+            latest = cp.checkpoint_of(row) if row else None
+            decision = checkpoints.decide_write(
+                issuer,
+                new,
+                issued,
+                accepted,
+                current.view(now) if current else None,
+                latest,
+                clients_configured,
+            )
+            if isinstance(decision, checkpoints.Refuse):
+                return CheckpointRefused(decision.code)
+            if isinstance(decision, checkpoints.Retry):
+                return CheckpointWritten(decision.latest, created=False)
+            written = Checkpoint(
+                new.resource,
+                decision.seq,
+                new.fence,
+                decision.owner,
+                new.client,
+                new.step,
+                new.state,
+                now,
+                mark=self._new_id(now),
+            )
+            if latest is not None:
+                await conn.execute(cp.retire_checkpoint(_dollar), latest.resource, latest.seq)
+            await conn.execute(
+                cp.insert_checkpoint(_dollar),
+                written.resource,
+                written.seq,
+                written.fence,
+                written.owner,
+                written.client,
+                written.step,
+                written.state,
+                written.at,
+                written.mark,
+                new.retention_s,
+            )
+            return CheckpointWritten(written, created=True)
+
+        return await self._tx(op)
+
+    async def list_checkpoints(
+        self, resource: str, before_seq: int | None, limit: int
+    ) -> list[Checkpoint]:
+        sql = cp.list_checkpoints(_dollar, before_seq is not None)
+        args = (resource, before_seq, limit) if before_seq is not None else (resource, limit)
+
+        async def op(conn: Any) -> list[Checkpoint]:
+            return [cp.checkpoint_of(row) for row in await conn.fetch(sql, *args)]
+
+        return await self._run(op, writes=False)
+
+    async def run_records(self, resource: str) -> RunRecords:
+        """Every read in one REPEATABLE READ snapshot, taking no lock."""
+
+        async def op(conn: Any) -> RunRecords:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                return await self._run_records(conn, resource)
+
+        return await self._run(op, writes=False)
+
+    async def _run_records(self, conn: Any, resource: str) -> RunRecords:
+        row = await conn.fetchrow(_RUN_HEAD, resource)
+        now = row["now"]
+        lease = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        checkpoint = cp.checkpoint_of(_prefixed(row, "c_")) if row["c_seq"] is not None else None
+        bounds = (resource, *cp.since(checkpoint))
+
+        async def newest(group: checkpoints.Group) -> list[Receipt]:
+            rows = await conn.fetch(cp.group_receipts(_dollar, group), *bounds)
+            return [receipt_of(r) for r in reversed(rows)]
+
+        rejected, unknown = cp.rejected_and_unknown(await conn.fetch(cp.tallies(_dollar), *bounds))
+        return RunRecords(
+            lease=shown(lease, now) if lease else None,
+            highest_fence=max(row["issued"] or 0, row["accepted"] or 0),
+            checkpoint=checkpoint,
+            completed=await newest("completed"),
+            needs_confirmation=await newest("needs_confirmation"),
+            rejected=rejected,
+            unknown_since=unknown,
+            now=now,
+        )
+
+    async def prune_checkpoints(self) -> int:
+        sql = cp.prune_checkpoints(_dollar, _NOW)
+
+        async def op(conn: Any) -> int:
+            status = await conn.execute(sql, PRUNE_BATCH)
+            return int(status.split()[-1])  # "DELETE n"
+
+        return await self._run(op, writes=True)
+
     # -- upkeep (§9) --------------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
@@ -1123,6 +1267,10 @@ class PostgresStore:
             return float(age) if age is not None else 0.0
 
         return await self._run(op, writes=False)
+
+
+def _dollar(n: int) -> str:
+    return f"${n}"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -20,19 +20,25 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-from gateway.core import cleanups, fences, idempotency, leases, outcomes
+from gateway.core import checkpoints, cleanups, fences, idempotency, leases, outcomes
 from gateway.core.errors import StoreUnavailable
+from gateway.core.fences import Issuer
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.core.times import Clock
+from gateway.store import checkpoint_rows as cp
 from gateway.store.base import (
     AcquireResult,
     Admitted,
     Call,
+    Checkpoint,
+    CheckpointRefused,
+    CheckpointWritten,
     CleanupClaim,
     CleanupDelay,
     Completion,
     FenceState,
     Lease,
+    NewCheckpoint,
     Outcome,
     OwedCleanup,
     Receipt,
@@ -42,6 +48,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RunRecords,
     SessionRecord,
     shown,
 )
@@ -69,7 +76,7 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -77,6 +84,14 @@ _KEY_STATE = (
     f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
     "WHERE k.resource = ? AND k.key = ?"
 )
+
+
+def _q(_: int) -> str:
+    return "?"
+
+
+def _checkpoint_values(c: Checkpoint) -> tuple[object, ...]:
+    return (c.resource, c.seq, c.fence, c.owner, c.client, c.step, c.state, c.at, c.mark)
 
 
 class StoreLocked(Exception):
@@ -819,6 +834,98 @@ class SqliteStore:
         """Forget an owed cleanup (its rule no longer has `on_expiry`)."""
         await self._write(
             lambda conn: conn.execute("DELETE FROM cleanups WHERE resource = ?", (resource,))
+        )
+
+    # -- checkpoints and the run view (§17) ----------------------------------------------------
+
+    async def write_checkpoint(
+        self, new: NewCheckpoint, issuer: Issuer, clients_configured: bool
+    ) -> CheckpointWritten | CheckpointRefused:
+        """Durable before it answers, in relaxed mode too: a checkpoint is what a
+        replacement worker resumes from."""
+        return await self._write(
+            lambda conn: self._write_checkpoint(conn, new, issuer, clients_configured),
+            durable=True,
+        )
+
+    def _write_checkpoint(
+        self, conn: sqlite3.Connection, new: NewCheckpoint, issuer: Issuer, clients: bool
+    ) -> CheckpointWritten | CheckpointRefused:
+        now = self._now()
+        issued, accepted = self._fences(conn, new.resource)
+        current = self._lease(conn, new.resource) if issuer == "gateway" else None
+        row = conn.execute(cp.latest_checkpoint(_q), (new.resource,)).fetchone()
+        latest = cp.checkpoint_of(row) if row else None
+        decision = checkpoints.decide_write(
+            issuer, new, issued, accepted, current.view(now) if current else None, latest, clients
+        )
+        if isinstance(decision, checkpoints.Refuse):
+            return CheckpointRefused(decision.code)
+        if isinstance(decision, checkpoints.Retry):
+            return CheckpointWritten(decision.latest, created=False)
+        written = Checkpoint(
+            new.resource,
+            decision.seq,
+            new.fence,
+            decision.owner,
+            new.client,
+            new.step,
+            new.state,
+            now,
+            mark=self._new_id(now),  # in the writer thread, as every receipt id
+        )
+        if latest is not None:
+            conn.execute(cp.retire_checkpoint(_q), (latest.resource, latest.seq))
+        conn.execute(cp.insert_checkpoint(_q), (*_checkpoint_values(written), new.retention_s))
+        return CheckpointWritten(written, created=True)
+
+    async def list_checkpoints(
+        self, resource: str, before_seq: int | None, limit: int
+    ) -> list[Checkpoint]:
+        sql = cp.list_checkpoints(_q, before_seq is not None)
+        args = (resource, before_seq, limit) if before_seq is not None else (resource, limit)
+        return await self._read(
+            lambda conn: [cp.checkpoint_of(r) for r in conn.execute(sql, args).fetchall()]
+        )
+
+    async def run_records(self, resource: str) -> RunRecords:
+        def op(conn: sqlite3.Connection) -> RunRecords:
+            conn.execute("BEGIN")  # one snapshot for every read below
+            try:
+                return self._run_records(conn, resource)
+            finally:
+                conn.execute("COMMIT")
+
+        return await self._read(op)
+
+    def _run_records(self, conn: sqlite3.Connection, resource: str) -> RunRecords:
+        now = self._now()
+        issued, accepted = self._fences(conn, resource)
+        lease = self._lease(conn, resource)
+        row = conn.execute(cp.latest_checkpoint(_q), (resource,)).fetchone()
+        checkpoint = cp.checkpoint_of(row) if row else None
+        bounds = (resource, *cp.since(checkpoint))
+
+        def newest(group: checkpoints.Group) -> list[Receipt]:
+            rows = conn.execute(cp.group_receipts(_q, group), bounds).fetchall()
+            return [receipt_of(r) for r in reversed(rows)]
+
+        rejected, unknown = cp.rejected_and_unknown(conn.execute(cp.tallies(_q), bounds))
+        return RunRecords(
+            lease=shown(lease, now) if lease else None,
+            highest_fence=max(issued, accepted),
+            checkpoint=checkpoint,
+            completed=newest("completed"),
+            needs_confirmation=newest("needs_confirmation"),
+            rejected=rejected,
+            unknown_since=unknown,
+            now=now,
+        )
+
+    async def prune_checkpoints(self) -> int:
+        sql = cp.prune_checkpoints(_q, "?")
+        return await self._write(
+            lambda conn: conn.execute(sql, (self._now(), PRUNE_BATCH)).rowcount
         )
 
     # -- upkeep (§9) --------------------------------------------------------------------------

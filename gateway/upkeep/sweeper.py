@@ -7,7 +7,8 @@ interval:
 * mark expired leases `expired` (and record how long they were held), scheduling the rule's
   `on_expiry` cleanup in the same transaction where there is one;
 * turn lost `pending` receipts `outcome_unknown`;
-* delete idempotency keys and completed receipts past their retention;
+* delete idempotency keys and completed receipts past their retention, and checkpoints past
+  theirs (§17);
 * start the owed cleanups that are due (`gateway.cleanup`: they run as their own tasks, so a
   slow cleanup call never holds up the next pass).
 
@@ -47,6 +48,7 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
     )
     count_lost(app, lost)
     await store.prune(settings.receipt_retention_s)
+    await store.prune_checkpoints()  # docs/contract.md §17: the last one is always kept
     await cleaner.start_due()
 
 

@@ -36,6 +36,15 @@ POLICY = {
 }
 
 
+# A checkpoint without X-Fence-Token is `428 missing_fence`, as a fenced call is
+# (docs/contract.md §3, §17): 428 Precondition Required is among what a missing required
+# header may get.
+CONFIG = """
+[checks.missing_required_header]
+expected-statuses = [400, 401, 403, 406, 415, 422, 428]
+"""
+
+
 def clients_file(path: Path) -> Path:
     lines = ["clients:"]
     for role, key in KEYS.items():
@@ -49,10 +58,15 @@ async def schemathesis(
     workdir: Path, gateway: GatewayProcess, examples: int, *options: str, key: str | None = None
 ) -> tuple[int, str]:
     """One `schemathesis run --checks all` against the gateway's own document."""
+    workdir.mkdir()
+    config = workdir / "schemathesis.toml"
+    config.write_text(CONFIG)
     command = [
         sys.executable,
         "-m",
         "schemathesis.cli",
+        "--config-file",
+        str(config),
         "run",
         "--checks",
         "all",
@@ -70,7 +84,6 @@ async def schemathesis(
         command += ["--header", f"Authorization: Bearer {key}"]
     command += options
     command.append(f"{gateway.url}/_gateway/v1/openapi.json")
-    workdir.mkdir()
     process = await asyncio.create_subprocess_exec(
         *command,
         cwd=workdir,  # schemathesis leaves its own files where it runs

@@ -5,7 +5,9 @@ holds with what the model says it must hold.
 The model is written from docs/contract.md, not from `gateway.core`: §3 (the fence check, its
 order and its rejected receipts; outcomes and late outcomes), §4 (the key table, attempts,
 retention), §6 (the acquire compare-and-swap, renewal, release and revoke, by the store's
-clock), §7 (resolving) and §9 (lost calls, retention, recovery at a restart). After every step
+clock), §7 (resolving), §9 (lost calls, retention, recovery at a restart) and §17 (checkpoints:
+only the current owner appends, an identical retry appends nothing, retention keeps the last;
+the run view). After every step
 the store's receipts (every field), leases (as shown), fences (issued and accepted) and keys
 (the receipt each points at and its retention) must equal the model's, and these invariants
 must hold whatever the model says: a fence is never lowered, an acquire never issues a fence
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import sqlite3
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -43,12 +46,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from gateway.core.checkpoints import NewCheckpoint
 from gateway.core.receipts import ReconcileWaits
 from gateway.core.times import rfc3339
 from gateway.store.base import (
     AcquireResult,
     Admitted,
     Call,
+    CheckpointRefused,
+    CheckpointWritten,
     Completion,
     Lease,
     Outcome,
@@ -105,6 +111,10 @@ OUTCOMES: dict[str, Callable[[float], Outcome]] = {
     "timed out": lambda at: Outcome("outcome_unknown", None, "upstream_timeout", at, None),
 }
 WAITS = (0.0, 10.0, 1e6)  # an upstream's timeout_s + grace, for resolving and lost calls
+# A checkpoint's state: JSON values, two of them equal but for key order (§17).
+STATES = ({"a": 1, "b": [1, 2]}, {"b": [1, 2], "a": 1}, {"a": 2}, [1, "x"], None)
+STEPS = ("one", "two")
+RUN_VIEW_WAITS = ReconcileWaits({"tool": 10.0}, default=1e6)
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,6 +208,23 @@ class MReceipt:
 
 
 @dataclass
+class MCheckpoint:
+    seq: int
+    fence: int
+    owner: str | None
+    client: str | None
+    step: str
+    state: Any
+    at: float
+    retention_s: float
+    after_id: str  # the newest receipt id made before it: later ones are "since" it
+    expires_at: float | None = None  # None while it is the resource's last
+
+    def shown(self, resource: str) -> tuple[Any, ...]:
+        return (resource, self.seq, self.fence, self.owner, self.client, self.step, self.state)
+
+
+@dataclass
 class MKey:
     receipt_id: str
     retention_s: float
@@ -224,6 +251,7 @@ class Model:
     receipts: dict[str, MReceipt] = field(default_factory=dict)
     keys: dict[tuple[str, str], MKey] = field(default_factory=dict)
     heartbeats: dict[str, float] = field(default_factory=dict)  # instance → heartbeat_at
+    checkpoints: dict[str, list[MCheckpoint]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.heartbeats[self.instance] = self.now
@@ -552,6 +580,81 @@ class Model:
             del self.receipts[receipt_id]
         return len(doomed)
 
+    # -- checkpoints (§17) ------------------------------------------------------------------
+
+    def write_checkpoint(
+        self, call: Call, step: str, state: Any, retention_s: float, after_id: str
+    ) -> tuple[str, MCheckpoint | None]:
+        """("refused:CODE", None), ("retried", latest) or ("written", new): the fence check
+        of a call (§3 step 4), moving no fence."""
+        code, owner = self.fence_refusal(call)
+        if code is not None:
+            return f"refused:{code}", None
+        kept = self.checkpoints.setdefault(call.resource, [])
+        latest = kept[-1] if kept else None
+        if (
+            latest is not None
+            and (latest.fence, latest.owner, latest.step)
+            == (
+                call.fence,
+                owner,
+                step,
+            )
+            and _canonical(latest.state) == _canonical(state)
+        ):
+            return "retried", latest
+        if latest is not None:
+            latest.expires_at = latest.at + latest.retention_s
+        checkpoint = MCheckpoint(
+            seq=latest.seq + 1 if latest is not None else 1,
+            fence=call.fence,
+            owner=owner,
+            client=call.client,
+            step=step,
+            state=state,
+            at=self.now,
+            retention_s=retention_s,
+            after_id=after_id,
+        )
+        kept.append(checkpoint)
+        return "written", checkpoint
+
+    def prune_checkpoints(self) -> int:
+        pruned = 0
+        for kept in self.checkpoints.values():
+            keep = [c for c in kept if c.expires_at is None or c.expires_at >= self.now]
+            pruned += len(kept) - len(keep)
+            kept[:] = keep
+        return pruned
+
+    def run_view(self, resource: str) -> dict[str, Any]:
+        """What the run view must show of `resource` (§17)."""
+        kept = self.checkpoints.get(resource, [])
+        latest = kept[-1] if kept else None
+        since = [
+            r
+            for _, r in sorted(self.receipts.items())
+            if r.resource == resource and (latest is None or r.id > latest.after_id)
+        ]
+        completed = ("succeeded", "failed", "not_sent", "reconciled")
+        unknown: dict[str, float] = {}
+        for r in since:
+            if r.status == "outcome_unknown":
+                left = r.forwarded_at if r.forwarded_at is not None else r.created_at
+                unknown[r.upstream] = min(left, unknown.get(r.upstream, left))
+        lease = self.leases.get(resource)
+        return {
+            "lease": lease.shown(self.now) if lease is not None else None,
+            "highest_fence": max(self.issued.get(resource, 0), self.accepted.get(resource, 0)),
+            "checkpoint": latest.shown(resource) if latest is not None else None,
+            "completed": [r.id for r in since if r.status in completed][-100:],
+            "needs_confirmation": [
+                r.id for r in since if r.status in ("pending", "outcome_unknown")
+            ][-100:],
+            "rejected": sum(r.status == "rejected" for r in since),
+            "unknown_since": unknown,
+        }
+
     def restart(self, instance: str) -> dict[str, int]:
         """A new process opens the store: on SQLite (one process per file) every `pending`
         receipt is an earlier run's and is lost at once; a shared store leaves them to the
@@ -566,6 +669,10 @@ class Model:
                 receipt.status, receipt.error = "outcome_unknown", "gateway_restarted"
                 recovered[receipt.upstream] += 1
         return dict(recovered)
+
+
+def _canonical(state: Any) -> str:
+    return json.dumps(state, sort_keys=True, separators=(",", ":"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -904,6 +1011,74 @@ class StoreMachine(RuleBasedStateMachine):
     def prune(self, retention_s: float) -> None:
         assert self.run(self.store.prune(retention_s)) == self.model.prune(retention_s)
 
+    # -- checkpoints (§17) --------------------------------------------------------------------
+
+    @rule(
+        data=st.data(),
+        resource=st.sampled_from(sorted(RESOURCES)),
+        step=st.sampled_from(STEPS),
+        state=st.sampled_from(STATES),
+        retention_s=st.sampled_from([1.0, 60.0]),
+    )
+    def write_checkpoint(
+        self, data: st.DataObject, resource: str, step: str, state: Any, retention_s: float
+    ) -> None:
+        """Mostly the holder (or an external issuer's newest token), sometimes anyone."""
+        lease = self.model.leases.get(resource)
+        if data.draw(st.booleans(), label="the owner"):
+            fence = (
+                lease.fence
+                if RESOURCES[resource] == "gateway" and lease is not None
+                else max(1, self.model.accepted.get(resource, 0))
+            )
+            owner, client = (lease.owner, lease.client) if lease is not None else (None, None)
+        else:
+            owner, fence, client = self.holder_or_other(data, resource)
+        owner = data.draw(st.sampled_from([owner, None]), label="X-Lease-Owner")
+        clients_configured = data.draw(st.booleans(), label="clients configured")
+        new = NewCheckpoint(
+            resource=resource,
+            fence=fence,
+            owner=owner,
+            client=client,
+            step=step,
+            state=json.dumps(state, separators=(",", ":")),
+            retention_s=retention_s,
+        )
+        got = self.run(
+            self.store.write_checkpoint(new, RESOURCES[resource], clients_configured)  # type: ignore[arg-type]
+        )
+        call = Call(
+            resource=resource,
+            fence=fence,
+            owner=owner,
+            client=client,
+            upstream=UPSTREAM[resource],
+            method="PUT",
+            path="",
+            issuer=RESOURCES[resource],  # type: ignore[arg-type]
+            idempotency_key=None,
+            fingerprint=None,
+            retry_statuses=RETRY,
+            retention_s=retention_s,
+            clients_configured=clients_configured,
+        )
+        result, expected = self.model.write_checkpoint(call, step, state, retention_s, self.last_id)
+        if isinstance(got, CheckpointRefused):
+            assert (f"refused:{got.code}", None) == (result, expected)
+            return
+        assert isinstance(got, CheckpointWritten) and expected is not None
+        assert ("written" if got.created else "retried") == result
+        c = got.checkpoint
+        assert (c.resource, c.seq, c.fence, c.owner, c.client, c.step, json.loads(c.state)) == (
+            expected.shown(resource)
+        )
+        assert c.at == expected.at
+
+    @rule()
+    def prune_checkpoints(self) -> None:
+        assert self.run(self.store.prune_checkpoints()) == self.model.prune_checkpoints()
+
     @rule(down_s=st.sampled_from([RESTART_GAP_S, 60.0]))
     def restart(self, down_s: float) -> None:
         """The process stops and another starts on the same store; then the sweeper's first
@@ -952,6 +1127,8 @@ class StoreMachine(RuleBasedStateMachine):
             for name, held in model.keys.items()
         }
 
+        self.checkpoint_views()
+
         # Invariants that hold whatever the model says.
         for resource, (issued, accepted) in fences.items():
             before = self.seen_fences.get(resource, (0, 0))
@@ -970,6 +1147,41 @@ class StoreMachine(RuleBasedStateMachine):
                 if (r.resource, r.idempotency_key) == (resource, key) and r.status != "rejected"
             ]
             assert holders and receipt_id == max(holders), (resource, key)
+
+    def checkpoint_views(self) -> None:
+        """§17, every other step, one resource at a time: its checkpoints and its run view
+        (the reads are what this suite's time goes to)."""
+        if self.checks % 2:
+            return
+        model, store = self.model, self.store
+        resource = sorted(RESOURCES)[self.checks // 2 % len(RESOURCES)]
+        listed_checkpoints = self.run(store.list_checkpoints(resource, None, 100))
+        assert [
+            (c.resource, c.seq, c.fence, c.owner, c.client, c.step, json.loads(c.state))
+            for c in listed_checkpoints
+        ] == [c.shown(resource) for c in reversed(model.checkpoints.get(resource, []))]
+        records = self.run(store.run_records(resource))
+        shown = records.checkpoint
+        assert records.now == model.now
+        assert {
+            "lease": records.lease,
+            "highest_fence": records.highest_fence,
+            "checkpoint": None
+            if shown is None
+            else (
+                shown.resource,
+                shown.seq,
+                shown.fence,
+                shown.owner,
+                shown.client,
+                shown.step,
+                json.loads(shown.state),
+            ),
+            "completed": [r.id for r in records.completed],
+            "needs_confirmation": [r.id for r in records.needs_confirmation],
+            "rejected": records.rejected,
+            "unknown_since": records.unknown_since,
+        } == model.run_view(resource)
 
     async def _fences_and_keys(
         self,
@@ -999,7 +1211,15 @@ CREATE TABLE IF NOT EXISTS public.fake_clock (now double precision NOT NULL);
 CREATE OR REPLACE FUNCTION public.clock_timestamp() RETURNS timestamptz
     LANGUAGE sql VOLATILE AS $$ SELECT to_timestamp(now) FROM public.fake_clock $$;
 """
-_TABLES = ("fences", "leases", "receipts", "idempotency_keys", "instances", "cleanups")
+_TABLES = (
+    "fences",
+    "leases",
+    "receipts",
+    "idempotency_keys",
+    "instances",
+    "cleanups",
+    "checkpoints",
+)
 
 
 async def _pg_install_clock(url: str) -> None:
