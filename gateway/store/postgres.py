@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from gateway.core import cleanups, fences, idempotency, leases, liveness, outcomes
+from gateway.core import cleanups, fences, floors, idempotency, leases, liveness, outcomes
 from gateway.core.errors import StoreUnavailable
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
+from gateway.store import postgres_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -45,9 +46,11 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RestoreReport,
     SessionRecord,
     shown,
 )
+from gateway.store.floor_rows import fence_row_of
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
@@ -70,7 +73,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -96,10 +99,12 @@ _LEASE_COLUMNS = (
     "expires_at",
 )
 
-# Lock a resource's fences row (creating it), and read it and the database's time after the lock.
+# Lock a resource's fences row (creating it), and read it, the store-wide fence floors
+# (docs/contract.md §18) and the database's time after the lock.
 _LOCK_FENCES = (
     "INSERT INTO fences (resource) VALUES ($1) ON CONFLICT (resource) "
-    f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now"
+    f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now, "
+    + postgres_floors.FLOORS_RETURNING
 )
 # The same for a resource that may have no row: no lease without one (acquire writes it).
 _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
@@ -433,15 +438,18 @@ class PostgresStore:
         else:  # the lease and the key's state in one read
             row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
             current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        known = postgres_floors.floors_of_locked(locked)
+        fence_row = fence_row_of(locked)
         code, owner = fences.check(
             call.issuer,
             call.fence,
-            locked["issued"],
-            locked["accepted"],
+            fence_row.issued,
+            floors.accepted(known, call.resource, fence_row),
             current.view(now) if current else None,
             call.owner,
             call.client,
             call.clients_configured,
+            floors.bound(known, call.resource, call.issuer, fence_row),
         )
         if code is not None:
             receipt_id = self._new_id(now)
@@ -780,7 +788,9 @@ class PostgresStore:
             return AcquireResult("retried", shown(current, now), None)
         if current is not None and isinstance(decision, leases.Held):
             return AcquireResult("held", shown(current, now), None)
-        fence = fences.next_fence(locked["issued"], locked["accepted"])
+        fence = floors.next_fence(
+            postgres_floors.floors_of_locked(locked), resource, fence_row_of(locked)
+        )
         await conn.execute(_GRANT, resource, owner, fence, client, acquire_key, now, now + ttl_s)
         granted = Lease(
             resource=resource,
@@ -1119,6 +1129,25 @@ class PostgresStore:
             return float(age) if age is not None else 0.0
 
         return await self._run(op, writes=False)
+
+    # -- fence floors (§18; the decisions are gateway.core.floors') ------------------------
+
+    async def raise_fence(self, resource: str, at_least: int) -> int:
+        return await self._tx(
+            lambda conn: postgres_floors.raise_one(conn, resource, at_least, _LOCK_FENCES)
+        )
+
+    async def raise_fences(self, match: str, at_least: int) -> int:
+        return await self._tx(lambda conn: postgres_floors.raise_glob(conn, match, at_least))
+
+    async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
+        return await self._tx(lambda conn: postgres_floors.apply_restore(conn, gap, beyond))
+
+    async def highest_fence(self) -> int:
+        return await self._run(postgres_floors.highest_fence, writes=False)
+
+    async def known_resources(self) -> list[str]:
+        return await self._run(postgres_floors.known_resources, writes=False)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -20,10 +20,11 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-from gateway.core import cleanups, fences, idempotency, leases, outcomes
+from gateway.core import cleanups, fences, floors, idempotency, leases, outcomes
 from gateway.core.errors import StoreUnavailable
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.core.times import Clock
+from gateway.store import sqlite_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -42,6 +43,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RestoreReport,
     SessionRecord,
     shown,
 )
@@ -68,7 +70,7 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -237,17 +239,19 @@ class SqliteStore:
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         now = self._now()
-        issued, accepted = self._fences(conn, call.resource)
+        row = sqlite_floors.fence_row(conn, call.resource)
+        known = sqlite_floors.read_floors(conn)
         current = self._lease(conn, call.resource) if call.issuer == "gateway" else None
         code, owner = fences.check(
             call.issuer,
             call.fence,
-            issued,
-            accepted,
+            row.issued,
+            floors.accepted(known, call.resource, row),
             current.view(now) if current else None,
             call.owner,
             call.client,
             call.clients_configured,
+            floors.bound(known, call.resource, call.issuer, row),
         )
         if code is not None:
             return Refused(code, self._insert_rejection(conn, call.rejection(owner, code), now))
@@ -327,14 +331,6 @@ class SqliteStore:
             ),
         )
         return receipt_id
-
-    @staticmethod
-    def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
-        """(highest issued, highest accepted) of a resource; (0, 0) for a new one."""
-        row = conn.execute(
-            "SELECT issued, accepted FROM fences WHERE resource = ?", (resource,)
-        ).fetchone()
-        return (row["issued"], row["accepted"]) if row else (0, 0)
 
     @staticmethod
     def _lease(conn: sqlite3.Connection, resource: str) -> Lease | None:
@@ -570,7 +566,9 @@ class SqliteStore:
             return AcquireResult("retried", shown(current, now), None)
         if current is not None and isinstance(decision, leases.Held):
             return AcquireResult("held", shown(current, now), None)
-        fence = fences.next_fence(*self._fences(conn, resource))
+        fence = floors.next_fence(
+            sqlite_floors.read_floors(conn), resource, sqlite_floors.fence_row(conn, resource)
+        )
         conn.execute(
             "INSERT INTO fences (resource, issued) VALUES (?, ?) "
             "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
@@ -880,3 +878,28 @@ class SqliteStore:
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
         return await self._read(op)
+
+    # -- fence floors (§18; the decisions are gateway.core.floors') ------------------------
+
+    async def raise_fence(self, resource: str, at_least: int) -> int:
+        return await self._write(
+            lambda conn: sqlite_floors.raise_one(conn, resource, at_least), durable=True
+        )
+
+    async def raise_fences(self, match: str, at_least: int) -> int:
+        return await self._write(
+            lambda conn: sqlite_floors.raise_glob(conn, match, at_least, self._now()),
+            durable=True,
+        )
+
+    async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
+        return await self._write(
+            lambda conn: sqlite_floors.apply_restore(conn, gap, beyond, self._now()),
+            durable=True,
+        )
+
+    async def highest_fence(self) -> int:
+        return await self._read(sqlite_floors.highest_fence)
+
+    async def known_resources(self) -> list[str]:
+        return await self._read(sqlite_floors.known_resources)
