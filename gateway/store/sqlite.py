@@ -92,6 +92,25 @@ def sqlite_path(url: str) -> Path:
     return Path(url.removeprefix("sqlite:///"))
 
 
+def lock_database(path: Path) -> int:
+    """Take the database's process lock (an flock), or raise `StoreLocked`; the descriptor
+    holds it until closed. `fence-gateway restore` takes it too, so it never replaces a
+    database a gateway serves."""
+    # The lock is on the database file itself (its inode), so another path to the same
+    # file, a symlink or a hard link, meets it too. SQLite's own locks are POSIX record
+    # locks, which flock does not interact with on Linux.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(
+            f"{path} is in use by another gateway process; a SQLite "
+            "database serves one gateway process"
+        ) from None
+    return fd
+
+
 class SqliteStore:
     shared = False  # one process per database: its lanes see every call in flight
 
@@ -153,19 +172,7 @@ class SqliteStore:
             self._lock_fd = None
 
     def _take_lock(self) -> None:
-        # The lock is on the database file itself (its inode), so another path to the same
-        # file, a symlink or a hard link, meets it too. SQLite's own locks are POSIX record
-        # locks, which flock does not interact with on Linux.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLocked(
-                f"{self.path} is in use by another gateway process; a SQLite "
-                "database serves one gateway process"
-            ) from None
-        self._lock_fd = fd
+        self._lock_fd = lock_database(self.path)
 
     def _connect(self, read_only: bool) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5)
