@@ -147,6 +147,9 @@ class TestSqliteSchema:
         admitted = await first.admit(call(3))
         await first.close()
         with sqlite3.connect(path) as conn:  # back to the schema before version 2
+            conn.execute("DROP TABLE fence_floor")  # version 3 (docs/contract.md §18)
+            conn.execute("DROP TABLE fence_raises")
+            conn.execute("ALTER TABLE fences DROP COLUMN lifted")
             conn.execute("ALTER TABLE receipts DROP COLUMN session")
             conn.execute("ALTER TABLE receipts DROP COLUMN kind")
             conn.execute("PRAGMA user_version = 0")
