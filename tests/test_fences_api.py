@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gateway.core.grammar import MAX_FENCE
 from tests.harness import AppFactory, InProcessGateway, RecordingUpstream, make_policy
 
 KEYS = {"agent": "k-agent", "recon": "k-recon", "root": "k-root"}
@@ -88,6 +89,17 @@ class TestRaiseOne:
             "POST", "/_gateway/v1/leases/g/1", json={"owner": "b"}, headers=auth("agent")
         )
         assert lease["fence"] == 41
+
+    async def test_a_resource_raised_to_the_end_of_the_range_issues_no_more_leases(
+        self, gw
+    ) -> None:
+        status, _h, body = await put(gw, "g/end", {"at_least": MAX_FENCE})
+        assert (status, body["highest_fence"]) == (200, MAX_FENCE)
+        status, _h, problem = await gw.send(
+            "POST", "/_gateway/v1/leases/g/end", json={"owner": "a"}, headers=auth("agent")
+        )
+        assert (status, problem["code"]) == (403, "resource_not_allowed")
+        assert "used up" in problem["detail"]
 
     async def test_only_an_admin_may_raise(self, gw) -> None:
         for who in ("agent", "recon"):
@@ -169,4 +181,4 @@ class TestRaiseGlob:
         status, headers, problem = await gw.send(
             "GET", "/_gateway/v1/fences/raise", headers=auth("root")
         )
-        assert (status, headers["Allow"]) == (405, "POST, PUT")
+        assert (status, headers["Allow"]) == (405, "POST")

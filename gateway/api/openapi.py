@@ -484,10 +484,11 @@ async def openapi(request: web.Request) -> web.Response:
 
 def allowed_methods(path: str) -> list[str] | None:
     """The methods the document gives a concrete /_gateway/v1 path, HEAD with GET; None when
-    it describes no such path. A path may fit two templates (`/fences/raise` is also
-    `/fences/{resource}`): it takes the methods of both."""
-    found = [methods for pattern, methods in _ALLOWED if pattern.fullmatch(path)]
-    return sorted({m for methods in found for m in methods}) if found else None
+    it describes no such path."""
+    for pattern, methods in _ALLOWED:
+        if pattern.fullmatch(path):
+            return list(methods)
+    return None
 
 
 def _parameter_pattern(match: re.Match[str]) -> str:

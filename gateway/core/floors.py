@@ -85,10 +85,19 @@ def accepted(floors: Floors, resource: str, row: FenceRow) -> int:
     return max(row.accepted, raised(floors, resource))
 
 
+class FencesExhausted(Exception):
+    """The resource's highest fence is the largest there is: no acquire can ever issue one
+    above it (a raise or an external token went to the end of the range)."""
+
+
 def next_fence(floors: Floors, resource: str, row: FenceRow) -> int:
     """An acquire's fence (docs/contract.md §6): above every fence issued or accepted, raised
-    or not, and at least the store-wide floor."""
-    return max(max(row.issued, accepted(floors, resource, row)) + 1, floors.floor)
+    or not, and at least the store-wide floor. Never a fence past the range, and never one
+    given before: `FencesExhausted` instead."""
+    fence = max(max(row.issued, accepted(floors, resource, row)) + 1, floors.floor)
+    if fence > MAX_FENCE:
+        raise FencesExhausted(resource)
+    return fence
 
 
 def raise_to(current: int, at_least: int) -> int:

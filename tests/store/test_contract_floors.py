@@ -10,6 +10,10 @@ real-process story are tested in tests/e2e/test_restore_e2e.py.
 import asyncio
 import itertools
 
+import pytest
+
+from gateway.core.floors import FencesExhausted
+from gateway.core.grammar import MAX_FENCE
 from gateway.store.base import Admitted, Refused, Store
 from tests.store.test_contract import call, ok
 
@@ -128,6 +132,16 @@ class TestRaises:
         assert await store.raise_fence("ext/a", 60) == 70
         assert await admit(store, 69, "ext/a") == "stale_fence"
         assert await store.raise_fence("ext/new", 5) == 5
+
+    async def test_no_fence_is_issued_past_the_range(self, store: Store) -> None:
+        assert await store.raise_fence("g/end", MAX_FENCE - 1) == MAX_FENCE - 1
+        taken = await store.acquire("g/end", "a", 30, 0, None, None)
+        assert taken.lease.fence == MAX_FENCE
+        await store.release("g/end", None, None)
+        with pytest.raises(FencesExhausted):
+            await store.acquire("g/end", "b", 30, 0, None, None)
+        lease = await store.get_lease("g/end")
+        assert lease is not None and (lease.owner, lease.fence) == ("a", MAX_FENCE)
 
     async def test_raising_a_gateway_resource_fences_out_its_holder(self, store: Store) -> None:
         await store.acquire("g/1", "a", 30, 0, None, None)
