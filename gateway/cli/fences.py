@@ -52,8 +52,9 @@ def _raise(api: Api, args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2))
         return 0
     known = answer.get("known_resources") if isinstance(answer, dict) else None
+    noun = "resource" if known == 1 else "resources"
     print(
-        f"raised {args.glob} to at least {args.to}: {known} known resources, and every one "
+        f"raised {args.glob} to at least {args.to}: {known} known {noun}, and every one "
         "first seen later"
     )
     return 0

@@ -211,8 +211,8 @@ def _print_report(
         print("no rule has an external issuer: nothing is on hold")
         return
     print(
-        "\nOn hold (409 stale_fence) until a raise covers them at their issuer's current "
-        "token: every resource of these external-issuer rules, known or not"
+        "\nOn hold (409 stale_fence) until raised to their issuer's current token: every "
+        "resource\nof the rules whose leases an external service issues, known or not:"
     )
     for match, upstream in rules:
         print(f"  match {match}  (upstream {upstream})")
