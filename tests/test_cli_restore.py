@@ -7,6 +7,7 @@ the real binaries. The story with a serving gateway is tests/e2e/test_restore_e2
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from gateway.cli.main import main
 from gateway.store import create_store
 from gateway.store.base import Admitted, Refused
 from tests.harness import make_policy, write_policy
-from tests.pg import PG_SERVER, create_database, drop_database, run_sync, url_of
+from tests.pg import create_database, drop_database, run_sync, url_of
 from tests.store.test_contract import call
 
 GAP = 1000
@@ -27,7 +28,7 @@ GAP = 1000
 def environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """GATEWAY_* for a SQLite store in tmp_path and a policy with an external rule; the
     database's path."""
-    for name in list(__import__("os").environ):
+    for name in list(os.environ):
         if name.startswith("GATEWAY_"):
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)  # no .env of the repository's working folder
@@ -141,7 +142,7 @@ class TestSqlite:
             assert "locked by a running gateway" in failed(capsys, "restore", "--floor-only")
             assert environ.read_bytes() == before
         finally:
-            __import__("os").close(lock)
+            os.close(lock)
 
 
 class TestPostgres:
@@ -200,6 +201,3 @@ def _pg_bin() -> str:
     if shutil.which("pg_dump"):
         return ""
     return "/usr/lib/postgresql/15/bin/"
-
-
-assert PG_SERVER.startswith("postgresql://")
