@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
+from gateway.cli.main import main
 from tests.harness import (
     Behavior,
     GatewayFactory,
@@ -230,7 +232,9 @@ class TestBackupAndRestore:
 class TestNemesis:
     """Cycles of calls with rising fences, a backup at a random moment, kill -9, a restore of
     an older backup, a restart and more calls, stale ones among them: not one stale admission
-    reaches the tool."""
+    reaches the tool. The commands run in this process (`gateway.cli.main.main`, the
+    gateway's settings in the environment) to keep the cycles quick; the gateway is a real
+    process, killed for real."""
 
     async def test_restoring_older_backups_never_lets_a_stale_fence_through(
         self,
@@ -238,9 +242,17 @@ class TestNemesis:
         gateway_factory: GatewayFactory,
         session: aiohttp.ClientSession,
         tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         rng = random.Random(int(hashlib.sha256(b"restore-nemesis").hexdigest(), 16) % 2**32)
         gateway = await gateway_factory(policy(upstream))
+        for name, value in gateway.env().items():
+            if name.startswith("GATEWAY_"):
+                monkeypatch.setenv(name, value)
+
+        async def command(*args: str) -> None:
+            assert await asyncio.to_thread(main, list(args)) == 0, args
+
         backups: list[Path] = []
         external = 0  # the external issuer's counter: it only goes up, backups or not
         refused_stale = 0
@@ -260,8 +272,7 @@ class TestNemesis:
                 assert result.status == 200, (cycle, step, code(result))
                 if step == backup_at:
                     backups.append(tmp_path / f"backup-{cycle}.db")
-                    status, _out, err = await cli(gateway, "backup", str(backups[-1]))
-                    assert status == 0, err
+                    await command("backup", str(backups[-1]))
             await gateway.kill9()
             if cycle < 2:
                 older = rng.choice(backups)  # possibly from an earlier cycle
@@ -269,8 +280,7 @@ class TestNemesis:
                 older = backups[-1]
                 for leftover in gateway.workdir.glob("gw.db*"):
                     leftover.unlink()
-            status, _out, err = await cli(gateway, "restore", str(older))
-            assert status == 0, err
+            await command("restore", str(older))
             await gateway.start()
             # The stale ones: every fence of the lease before, every external token before.
             for fence in {1, lease["fence"], lease["fence"] + 1}:
@@ -281,10 +291,9 @@ class TestNemesis:
                 assert code(await send(session, gateway, "ext/n", token)) == "stale_fence"
                 refused_stale += 1
             # The external issuer's admin raises to its current value; it goes on from there.
-            status, _out, err = await cli(
-                gateway, "fences", "raise", "ext/*", "--to", str(external + 1), "--url", gateway.url
+            await command(
+                "fences", "raise", "ext/*", "--to", str(external + 1), "--url", gateway.url
             )
-            assert status == 0, err
             external += 1
             assert code(await send(session, gateway, "ext/n", external - 1)) == "stale_fence"
             never_backwards(upstream)
