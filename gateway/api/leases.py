@@ -18,6 +18,7 @@ from aiohttp import web
 from gateway.api import params
 from gateway.config.policy import ResourceRule
 from gateway.core import errors, grammar
+from gateway.core.floors import FencesExhausted
 from gateway.core.leases import LEASE_STATES, SWEEPER_OWNER_PREFIX
 from gateway.core.times import rfc3339
 from gateway.observe import logs
@@ -43,9 +44,20 @@ async def acquire(request: web.Request) -> web.Response:
     ttl_s = _ttl(body, rule)
     app = request.app
     metrics = app[appkeys.METRICS]
-    taken = await app[appkeys.STORE].acquire(
-        resource, owner, ttl_s, rule.lease.lock_delay_s, client=_client(request), acquire_key=key
-    )
+    try:
+        taken = await app[appkeys.STORE].acquire(
+            resource,
+            owner,
+            ttl_s,
+            rule.lease.lock_delay_s,
+            client=_client(request),
+            acquire_key=key,
+        )
+    except FencesExhausted:
+        raise errors.ResourceNotAllowed(
+            f"the fences of {resource!r} are used up: its highest fence is the largest there "
+            f"is ({grammar.MAX_FENCE}), so no new lease can be issued on it"
+        ) from None
     lease = taken.lease
     _held(app, taken.held_seconds)  # took over an expired lease not yet marked expired
     if taken.result == "held":

@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 from aiohttp import web
 
-from gateway.api import checkpoints, params, receipts
+from gateway.api import checkpoints, fences, params, receipts
 from gateway.config.policy import PolicySet
 from gateway.core import checkpoints as checkpoint_rules
 from gateway.core import errors, grammar
@@ -34,6 +34,14 @@ _NOT_DOT = r"[A-Za-z0-9_\-:@]"
 # one segment of a resource key: its characters, but not "." or ".."
 _SEGMENT = rf"(?:{_NOT_DOT}{_NAME_CHAR}*|\.{_NOT_DOT}{_NAME_CHAR}*|\.\.{_NAME_CHAR}+)"
 RESOURCE_PATTERN = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
+# A resource glob (docs/contract.md §18's raises): the same with `*` among the characters
+# (a segment of stars is never "." or ".."); `gateway.api.fences` allows 256 characters.
+_GLOB_CHAR = r"[A-Za-z0-9._\-:@*]"
+_GLOB_NOT_DOT = r"[A-Za-z0-9_\-:@*]"
+_GLOB_SEGMENT = (
+    rf"(?:{_GLOB_NOT_DOT}{_GLOB_CHAR}*|\.{_GLOB_NOT_DOT}{_GLOB_CHAR}*|\.\.{_GLOB_CHAR}+)"
+)
+GLOB_PATTERN = rf"^{_GLOB_SEGMENT}(?:/{_GLOB_SEGMENT})*$"
 OWNER_PATTERN = r"^[A-Za-z0-9._\-:@/]{1,128}$"
 CLIENT_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
@@ -520,6 +528,50 @@ def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
             "get": _op(
                 "The run view: lease, last checkpoint, the calls since it",
                 {"200": _answer("The run view", _ref("RunView"))},
+            ),
+        },
+        "/_gateway/v1/fences/raise": {
+            "post": _op(
+                "Raise every resource a glob covers, known now or first seen later (admin)",
+                {
+                    "200": _answer(
+                        "Raised; known_resources: how many known resources it covered",
+                        _object(
+                            ["match", "at_least", "known_resources"],
+                            match={"type": "string"},
+                            at_least=_FENCE,
+                            known_resources={"type": "integer", "minimum": 0},
+                        ),
+                    )
+                },
+                body=_object(
+                    ["match", "at_least"],
+                    match={
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": fences.MAX_GLOB,
+                        "pattern": GLOB_PATTERN,
+                    },
+                    at_least=_FENCE,
+                ),
+            )
+        },
+        "/_gateway/v1/fences/{resource}": {
+            "parameters": [_RESOURCE],
+            "put": _op(
+                "Raise one resource's highest accepted fence, never lowering it; lifts its "
+                "hold after a restore (admin)",
+                {
+                    "200": _answer(
+                        "The resource's highest accepted fence now",
+                        _object(
+                            ["resource", "highest_fence"],
+                            resource={"type": "string"},
+                            highest_fence=_FENCE,
+                        ),
+                    )
+                },
+                body=_object(["at_least"], at_least=_FENCE),
             ),
         },
         "/_gateway/v1/openapi.json": {

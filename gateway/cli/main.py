@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the race over a real Chromium driven over CDP (needs Chromium installed)",
     )
-    from gateway.cli import remote
+    from gateway.cli import fences, remote, restore
 
     remote.add_commands(commands)
+    fences.add_commands(commands)
+    restore.add_commands(commands)
     return parser
 
 
@@ -75,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.cli import demo
 
             return demo.main()
+        if args.command in ("backup", "restore"):
+            return _restore(args)
         from gateway.cli import remote
 
         return remote.run(args)
@@ -133,6 +137,15 @@ def _serve(workers: int | None, worker: bool) -> int:
     except (_Abort, PolicyError, ConfigError, WorkersError) as exc:
         return _fail(str(exc))
     return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from gateway.cli import restore
+
+    try:
+        return restore.run(args, _settings())
+    except (_Abort, restore.RestoreFailed) as exc:
+        return _fail(str(exc))
 
 
 def _check_policies(path: str | None) -> int:

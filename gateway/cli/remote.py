@@ -85,8 +85,8 @@ def _text(value: str) -> str:
     return value
 
 
-def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
-    """Register `leases` and `receipts` on the CLI's sub-command parser."""
+def add_connection_options() -> list[Any]:
+    """`--url` and `--json`, as `parents` of a command that talks to a running gateway."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--url",
@@ -98,7 +98,12 @@ def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
     common.add_argument("--json", action="store_true", help="print the API's JSON")
     # typeshed wants `parents` of the sub-parsers' own class; argparse takes any ArgumentParser
     # (it only copies the parent's arguments).
-    parents: list[_Parser] = [common]  # type: ignore[list-item]
+    return [common]
+
+
+def add_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """Register `leases` and `receipts` on the CLI's sub-command parser."""
+    parents: list[_Parser] = add_connection_options()
 
     leases = commands.add_parser("leases", help="leases of a running gateway")
     lease_actions = leases.add_subparsers(dest="action", required=True, metavar="ACTION")

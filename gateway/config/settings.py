@@ -16,6 +16,9 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.core.floors import DEFAULT_GAP
+from gateway.core.grammar import MAX_FENCE
+
 FAILPOINT_NAMES = frozenset({"after_admit", "after_upstream", "in_commit"})
 FAILPOINT_ACTIONS = frozenset({"crash", "error"})
 
@@ -48,6 +51,8 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=64)
     # docs/contract.md §15: the address CDP discovery answers point at (http or https)
     public_url: str | None = None
+    # docs/contract.md §18: how far above the backup's highest fence a restore sets the floor
+    restore_fence_gap: int = Field(DEFAULT_GAP, ge=1, le=MAX_FENCE)
 
     @field_validator("log_level", mode="before")
     @classmethod

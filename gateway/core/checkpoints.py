@@ -213,10 +213,11 @@ def decide_write(
     lease: LeaseView | None,
     latest: Checkpoint | None,
     clients_configured: bool,
+    bound: fences.Bound = fences.NO_BOUND,
 ) -> WriteDecision:
     """§3 step 4 for the checkpoint's fence, then retry or append. A checkpoint moves no
     fence; `seq` counts on from the latest, which retention never deletes, so it is never
-    reused."""
+    reused. `bound`: what a restore's floor and an admin's raises add (§18), as for a call."""
     code, owner = fences.check(
         issuer,
         new.fence,
@@ -226,6 +227,7 @@ def decide_write(
         new.owner,
         new.client,
         clients_configured,
+        bound,
     )
     if code is not None:
         return Refuse(code)

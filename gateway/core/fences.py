@@ -26,6 +26,19 @@ class LeaseView:
     live: bool  # held and not yet past expires_at by the store's clock
 
 
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """What a restore and an admin's raises add to a resource's own fences (docs/contract.md
+    §18, worked out by `gateway.core.floors`): a token below `below` is stale, and a resource
+    `on_hold` refuses every token. `NO_BOUND` adds nothing."""
+
+    below: int = 0
+    on_hold: bool = False
+
+
+NO_BOUND = Bound()
+
+
 def check_external(fence: int, accepted: int) -> FenceRefusal | None:
     """An external issuer's token is good when it is not below the highest accepted."""
     return "stale_fence" if fence < accepted else None
@@ -65,9 +78,13 @@ def check(
     owner: str | None,
     client: str | None,
     clients_configured: bool,
+    bound: Bound = NO_BOUND,
 ) -> tuple[FenceRefusal | None, str | None]:
     """Step 4 for either issuer: the refusal (None: go on), and the owner the receipt
-    records. `lease` is only looked at for the gateway issuer."""
+    records. `lease` is only looked at for the gateway issuer. `bound` comes first: a token
+    below a restore's floor or a raise is stale before it can be a forgery (§18)."""
+    if bound.on_hold or fence < bound.below:
+        return "stale_fence", recorded_owner(owner, fence, lease if issuer == "gateway" else None)
     if issuer == "external":
         return check_external(fence, accepted), owner
     refusal = check_gateway(fence, issued, lease, owner, client, clients_configured)

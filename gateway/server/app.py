@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.api import checkpoints, leases, openapi, ops, receipts
+from gateway.api import checkpoints, fences, leases, openapi, ops, receipts
 from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
@@ -40,6 +40,7 @@ def create_app(
     app.router.add_routes(receipts.routes)
     app.router.add_routes(leases.routes)
     app.router.add_routes(checkpoints.routes)
+    app.router.add_routes(fences.routes)
     app.router.add_routes(openapi.routes)
     mount_console(app)  # /_gateway/console: before the catch-alls below
     app.router.add_route("*", "/_gateway/{tail:.*}", _not_found)

@@ -9,7 +9,8 @@ passes). With one, every call but health and readiness names a client by its key
 
 Roles: `agent` makes proxied calls and uses the lease API on the resources its globs cover;
 `reconciler` reads and resolves receipts and reads leases; `admin` may do everything,
-including revoking leases. The clients themselves are `gateway.config.clients`'.
+including revoking leases and raising fences (docs/contract.md §18). The clients themselves
+are `gateway.config.clients`'.
 """
 
 from __future__ import annotations
@@ -75,5 +76,7 @@ def _authorize_api(request: web.Request, client: Client) -> None:
         # resources, and reading, are `gateway.api.checkpoints`' to check, in §3's order
         if not client.may("agent"):
             raise errors.Forbidden(f"client {client.name} may not write checkpoints")
+    elif path.startswith("/_gateway/v1/fences/") and "admin" not in client.roles:
+        raise errors.Forbidden("raising fences takes the admin role")
     elif path == "/_gateway/v1/leases" and not client.may("reconciler"):
         raise errors.Forbidden(f"client {client.name} may not list leases")

@@ -47,6 +47,7 @@ __all__ = [
     "Release",
     "Replayed",
     "ResolveRefused",
+    "RestoreReport",
     "RunRecords",
     "SessionRecord",
     "Store",
@@ -272,6 +273,20 @@ class RunRecords:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class RestoreReport:
+    """What `apply_restore` did (docs/contract.md §18): the highest fence the store knew (or
+    the store it replaced, when higher), the floor set above it, the restore epoch now, the
+    held leases it expired and the `pending` receipts it turned `outcome_unknown`, by
+    upstream."""
+
+    highest: int
+    floor: int
+    epoch: int
+    leases_expired: int
+    receipts_unknown: dict[str, int]
+
+
 CleanupDelay = Callable[[str, str], "float | None"]
 """(resource, owner of the expired lease) → the rule's lock delay when a cleanup is owed."""
 
@@ -428,4 +443,29 @@ class Store(Protocol):
 
     async def prune_checkpoints(self) -> int:
         """Delete checkpoints past their retention, never a resource's last one."""
+
+    # fence floors (§18): what a restore and an admin's raises add to a resource's fences
+    async def raise_fence(self, resource: str, at_least: int) -> int:
+        """Raise one resource's highest accepted fence to at least `at_least` (never lower)
+        and lift its hold; its highest accepted fence now."""
+        ...
+
+    async def raise_fences(self, match: str, at_least: int) -> int:
+        """The same for every resource the glob `match` covers, known now or first seen later
+        (kept as a rule); how many known resources it covered."""
+        ...
+
+    async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
+        """After the store came back from a backup: the store-wide floor at the highest fence
+        it knows (or `beyond`, the highest of the store it replaced) plus `gap`, a new restore
+        epoch (external resources on hold), every held lease expired now, every `pending`
+        receipt `outcome_unknown`; one transaction."""
+        ...
+
+    async def highest_fence(self) -> int:
+        """The highest fence the store knows: issued, accepted, floor or raise."""
+        ...
+
+    async def known_resources(self) -> list[str]:
+        """Every resource the store has fences for, in order."""
         ...

@@ -24,11 +24,21 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from gateway.core import checkpoints, cleanups, fences, idempotency, leases, liveness, outcomes
+from gateway.core import (
+    checkpoints,
+    cleanups,
+    fences,
+    floors,
+    idempotency,
+    leases,
+    liveness,
+    outcomes,
+)
 from gateway.core.errors import StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.store import checkpoint_rows as cp
+from gateway.store import postgres_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -51,10 +61,12 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RestoreReport,
     RunRecords,
     SessionRecord,
     shown,
 )
+from gateway.store.floor_rows import fence_row_of
 from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
@@ -78,7 +90,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -104,10 +116,12 @@ _LEASE_COLUMNS = (
     "expires_at",
 )
 
-# Lock a resource's fences row (creating it), and read it and the database's time after the lock.
+# Lock a resource's fences row (creating it), and read it, the store-wide fence floors
+# (docs/contract.md §18) and the database's time after the lock.
 _LOCK_FENCES = (
     "INSERT INTO fences (resource) VALUES ($1) ON CONFLICT (resource) "
-    f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now"
+    f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now, "
+    + postgres_floors.FLOORS_RETURNING
 )
 # The same for a resource that may have no row: no lease without one (acquire writes it).
 _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
@@ -115,7 +129,9 @@ _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR
 # Lock a resource's fences row only if it exists, and read it: a refused checkpoint writes
 # nothing, not even an empty fences row.
 _LOCK_FENCES_ROW = (
-    f"SELECT issued, accepted, {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
+    f"SELECT issued, accepted, {_NOW} AS now, "
+    + postgres_floors.FLOORS_RETURNING
+    + " FROM fences WHERE resource = $1 FOR UPDATE"
 )
 
 # The run view's head in one read: the database's time, the fences, the lease and the latest
@@ -462,15 +478,18 @@ class PostgresStore:
         else:  # the lease and the key's state in one read
             row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
             current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
+        known = postgres_floors.floors_of_locked(locked)
+        fence_row = fence_row_of(locked)
         code, owner = fences.check(
             call.issuer,
             call.fence,
-            locked["issued"],
-            locked["accepted"],
+            fence_row.issued,
+            floors.accepted(known, call.resource, fence_row),
             current.view(now) if current else None,
             call.owner,
             call.client,
             call.clients_configured,
+            floors.bound(known, call.resource, call.issuer, fence_row),
         )
         if code is not None:
             receipt_id = self._new_id(now)
@@ -811,7 +830,9 @@ class PostgresStore:
             return AcquireResult("retried", shown(current, now), None)
         if current is not None and isinstance(decision, leases.Held):
             return AcquireResult("held", shown(current, now), None)
-        fence = fences.next_fence(locked["issued"], locked["accepted"])
+        fence = floors.next_fence(
+            postgres_floors.floors_of_locked(locked), resource, fence_row_of(locked)
+        )
         await conn.execute(_GRANT, resource, owner, fence, client, acquire_key, now, now + ttl_s)
         granted = Lease(
             resource=resource,
@@ -1086,20 +1107,22 @@ class PostgresStore:
                 locked = await conn.fetchrow(_LOCK_FENCES, new.resource)
             if locked is None:  # never issued: refused (fence_not_issued) without a write
                 now = await conn.fetchval(f"SELECT {_NOW}")
-                issued = accepted = 0
+                known = await postgres_floors.read_floors(conn)
             else:
-                now, issued, accepted = locked["now"], locked["issued"], locked["accepted"]
+                now, known = locked["now"], postgres_floors.floors_of_locked(locked)
+            fence_row = fence_row_of(locked)
             current = await self._lease(conn, new.resource) if issuer == "gateway" else None
             row = await conn.fetchrow(cp.latest_checkpoint(_dollar), new.resource)
             latest = cp.checkpoint_of(row) if row else None
             decision = checkpoints.decide_write(
                 issuer,
                 new,
-                issued,
-                accepted,
+                fence_row.issued,
+                floors.accepted(known, new.resource, fence_row),
                 current.view(now) if current else None,
                 latest,
                 clients_configured,
+                floors.bound(known, new.resource, issuer, fence_row),
             )
             if isinstance(decision, checkpoints.Refuse):
                 return CheckpointRefused(decision.code)
@@ -1169,7 +1192,11 @@ class PostgresStore:
         rejected, unknown = cp.rejected_and_unknown(await conn.fetch(cp.tallies(_dollar), *bounds))
         return RunRecords(
             lease=shown(lease, now) if lease else None,
-            highest_fence=max(row["issued"] or 0, row["accepted"] or 0),
+            highest_fence=max(
+                row["issued"] or 0,
+                row["accepted"] or 0,
+                floors.raised(await postgres_floors.read_floors(conn), resource),
+            ),
             checkpoint=checkpoint,
             completed=await newest("completed"),
             needs_confirmation=await newest("needs_confirmation"),
@@ -1267,6 +1294,25 @@ class PostgresStore:
             return float(age) if age is not None else 0.0
 
         return await self._run(op, writes=False)
+
+    # -- fence floors (§18; the decisions are gateway.core.floors') ------------------------
+
+    async def raise_fence(self, resource: str, at_least: int) -> int:
+        return await self._tx(
+            lambda conn: postgres_floors.raise_one(conn, resource, at_least, _LOCK_FENCES)
+        )
+
+    async def raise_fences(self, match: str, at_least: int) -> int:
+        return await self._tx(lambda conn: postgres_floors.raise_glob(conn, match, at_least))
+
+    async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
+        return await self._tx(lambda conn: postgres_floors.apply_restore(conn, gap, beyond))
+
+    async def highest_fence(self) -> int:
+        return await self._run(postgres_floors.highest_fence, writes=False)
+
+    async def known_resources(self) -> list[str]:
+        return await self._run(postgres_floors.known_resources, writes=False)
 
 
 def _dollar(n: int) -> str:

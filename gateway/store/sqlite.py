@@ -20,12 +20,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-from gateway.core import checkpoints, cleanups, fences, idempotency, leases, outcomes
+from gateway.core import checkpoints, cleanups, fences, floors, idempotency, leases, outcomes
 from gateway.core.errors import StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.core.times import Clock
 from gateway.store import checkpoint_rows as cp
+from gateway.store import sqlite_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -48,6 +49,7 @@ from gateway.store.base import (
     Release,
     Replayed,
     ResolveRefused,
+    RestoreReport,
     RunRecords,
     SessionRecord,
     shown,
@@ -76,7 +78,7 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -104,6 +106,25 @@ class SchemaTooNew(Exception):
 
 def sqlite_path(url: str) -> Path:
     return Path(url.removeprefix("sqlite:///"))
+
+
+def lock_database(path: Path) -> int:
+    """Take the database's process lock (an flock), or raise `StoreLocked`; the descriptor
+    holds it until closed. `fence-gateway restore` takes it too, so it never replaces a
+    database a gateway serves."""
+    # The lock is on the database file itself (its inode), so another path to the same
+    # file, a symlink or a hard link, meets it too. SQLite's own locks are POSIX record
+    # locks, which flock does not interact with on Linux.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(
+            f"{path} is in use by another gateway process; a SQLite "
+            "database serves one gateway process"
+        ) from None
+    return fd
 
 
 class SqliteStore:
@@ -167,19 +188,7 @@ class SqliteStore:
             self._lock_fd = None
 
     def _take_lock(self) -> None:
-        # The lock is on the database file itself (its inode), so another path to the same
-        # file, a symlink or a hard link, meets it too. SQLite's own locks are POSIX record
-        # locks, which flock does not interact with on Linux.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLocked(
-                f"{self.path} is in use by another gateway process; a SQLite "
-                "database serves one gateway process"
-            ) from None
-        self._lock_fd = fd
+        self._lock_fd = lock_database(self.path)
 
     def _connect(self, read_only: bool) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5)
@@ -253,17 +262,19 @@ class SqliteStore:
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         now = self._now()
-        issued, accepted = self._fences(conn, call.resource)
+        row = sqlite_floors.fence_row(conn, call.resource)
+        known = sqlite_floors.read_floors(conn)
         current = self._lease(conn, call.resource) if call.issuer == "gateway" else None
         code, owner = fences.check(
             call.issuer,
             call.fence,
-            issued,
-            accepted,
+            row.issued,
+            floors.accepted(known, call.resource, row),
             current.view(now) if current else None,
             call.owner,
             call.client,
             call.clients_configured,
+            floors.bound(known, call.resource, call.issuer, row),
         )
         if code is not None:
             return Refused(code, self._insert_rejection(conn, call.rejection(owner, code), now))
@@ -344,14 +355,6 @@ class SqliteStore:
             ),
         )
         return receipt_id
-
-    @staticmethod
-    def _fences(conn: sqlite3.Connection, resource: str) -> tuple[int, int]:
-        """(highest issued, highest accepted) of a resource; (0, 0) for a new one."""
-        row = conn.execute(
-            "SELECT issued, accepted FROM fences WHERE resource = ?", (resource,)
-        ).fetchone()
-        return (row["issued"], row["accepted"]) if row else (0, 0)
 
     @staticmethod
     def _lease(conn: sqlite3.Connection, resource: str) -> Lease | None:
@@ -588,7 +591,9 @@ class SqliteStore:
             return AcquireResult("retried", shown(current, now), None)
         if current is not None and isinstance(decision, leases.Held):
             return AcquireResult("held", shown(current, now), None)
-        fence = fences.next_fence(*self._fences(conn, resource))
+        fence = floors.next_fence(
+            sqlite_floors.read_floors(conn), resource, sqlite_floors.fence_row(conn, resource)
+        )
         conn.execute(
             "INSERT INTO fences (resource, issued) VALUES (?, ?) "
             "ON CONFLICT (resource) DO UPDATE SET issued = excluded.issued",
@@ -852,12 +857,20 @@ class SqliteStore:
         self, conn: sqlite3.Connection, new: NewCheckpoint, issuer: Issuer, clients: bool
     ) -> CheckpointWritten | CheckpointRefused:
         now = self._now()
-        issued, accepted = self._fences(conn, new.resource)
+        fence_row = sqlite_floors.fence_row(conn, new.resource)
+        known = sqlite_floors.read_floors(conn)
         current = self._lease(conn, new.resource) if issuer == "gateway" else None
         row = conn.execute(cp.latest_checkpoint(_q), (new.resource,)).fetchone()
         latest = cp.checkpoint_of(row) if row else None
         decision = checkpoints.decide_write(
-            issuer, new, issued, accepted, current.view(now) if current else None, latest, clients
+            issuer,
+            new,
+            fence_row.issued,
+            floors.accepted(known, new.resource, fence_row),
+            current.view(now) if current else None,
+            latest,
+            clients,
+            floors.bound(known, new.resource, issuer, fence_row),
         )
         if isinstance(decision, checkpoints.Refuse):
             return CheckpointRefused(decision.code)
@@ -900,7 +913,8 @@ class SqliteStore:
 
     def _run_records(self, conn: sqlite3.Connection, resource: str) -> RunRecords:
         now = self._now()
-        issued, accepted = self._fences(conn, resource)
+        fence_row = sqlite_floors.fence_row(conn, resource)
+        accepted = floors.accepted(sqlite_floors.read_floors(conn), resource, fence_row)
         lease = self._lease(conn, resource)
         row = conn.execute(cp.latest_checkpoint(_q), (resource,)).fetchone()
         checkpoint = cp.checkpoint_of(row) if row else None
@@ -913,7 +927,7 @@ class SqliteStore:
         rejected, unknown = cp.rejected_and_unknown(conn.execute(cp.tallies(_q), bounds))
         return RunRecords(
             lease=shown(lease, now) if lease else None,
-            highest_fence=max(issued, accepted),
+            highest_fence=max(fence_row.issued, accepted),
             checkpoint=checkpoint,
             completed=newest("completed"),
             needs_confirmation=newest("needs_confirmation"),
@@ -990,3 +1004,28 @@ class SqliteStore:
             return self._now() - row["t"] if row["t"] is not None else 0.0
 
         return await self._read(op)
+
+    # -- fence floors (§18; the decisions are gateway.core.floors') ------------------------
+
+    async def raise_fence(self, resource: str, at_least: int) -> int:
+        return await self._write(
+            lambda conn: sqlite_floors.raise_one(conn, resource, at_least), durable=True
+        )
+
+    async def raise_fences(self, match: str, at_least: int) -> int:
+        return await self._write(
+            lambda conn: sqlite_floors.raise_glob(conn, match, at_least, self._now()),
+            durable=True,
+        )
+
+    async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
+        return await self._write(
+            lambda conn: sqlite_floors.apply_restore(conn, gap, beyond, self._now()),
+            durable=True,
+        )
+
+    async def highest_fence(self) -> int:
+        return await self._read(sqlite_floors.highest_fence)
+
+    async def known_resources(self) -> list[str]:
+        return await self._read(sqlite_floors.known_resources)

@@ -226,3 +226,20 @@ class TestSinceTheCheckpointByTheStoresOrder:
             assert before.receipt_id < same_tick.receipt_id
         finally:
             await store.close()
+
+
+class TestAfterARestore:
+    """A checkpoint meets the same fence floors as a call (docs/contract.md §18)."""
+
+    async def test_the_floor_and_a_hold_refuse_checkpoints_until_raised(self, store) -> None:
+        lease = (await store.acquire(RESOURCE, "run-a", 30, 0, None, None)).lease
+        await written(store, new(lease.fence, owner="run-a"))
+        await written(store, new(3, resource="ext/1"), issuer="external")
+        await store.apply_restore(1000)
+        # the old holder's fence is below the floor; the external resource is on hold
+        assert await refused(store, new(lease.fence, "later", owner="run-a")) == "stale_fence"
+        assert await refused(store, new(4, resource="ext/1"), issuer="external") == "stale_fence"
+        await store.raise_fence("ext/1", 9)
+        assert await refused(store, new(8, resource="ext/1"), issuer="external") == "stale_fence"
+        await written(store, new(9, resource="ext/1"), issuer="external")
+        assert (await store.run_records("ext/1")).highest_fence == 9

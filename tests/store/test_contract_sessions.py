@@ -148,6 +148,10 @@ class TestSqliteSchema:
         await first.close()
         with sqlite3.connect(path) as conn:  # back to the schema before version 2
             conn.execute("ALTER TABLE receipts DROP COLUMN mcp")  # version 3's
+            conn.execute("DROP TABLE checkpoints")  # version 4's
+            conn.execute("DROP TABLE fence_floor")  # version 5's (docs/contract.md §18)
+            conn.execute("DROP TABLE fence_raises")
+            conn.execute("ALTER TABLE fences DROP COLUMN lifted")
             conn.execute("ALTER TABLE receipts DROP COLUMN session")
             conn.execute("ALTER TABLE receipts DROP COLUMN kind")
             conn.execute("PRAGMA user_version = 0")
