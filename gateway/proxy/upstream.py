@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import aiohttp
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 from multidict import CIMultiDict
@@ -70,6 +71,7 @@ class _Attempt:
 
     may_send: Callable[[], bool] | None  # the last check, asked once a connection is in hand
     connected: bool = False  # a connection was in hand: from here on the tool may act
+    withdrawn: bool = False  # the check said no just before the body's write: nothing left
 
 
 _ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
@@ -134,6 +136,31 @@ async def _on_ws_answer(
     removed = HOP_BY_HOP | connection_named(response.headers) | {"content-length"}
     kept = [(k, v) for k, v in response.headers.items() if k.lower() not in removed]
     state.refused = UpgradeRefused(response.status, kept, b"".join(chunks))
+
+
+class _CheckedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, asking the call's `may_send` once more just before its bytes leave.
+
+    aiohttp buffers a request's head and writes it with the first chunk of the body, in a task
+    of its own started after the connection is in hand (on Python 3.11 it starts on a later
+    turn of the event loop). Whatever the loop runs in between, and a pause of the process
+    there, would separate the connector's check from the write; asked again at the start of
+    that task, with nothing written yet, the check and the write are one step apart. A call
+    without a body has no such task: its head is written right after the connector's check.
+    """
+
+    async def write_bytes(
+        self, writer: AbstractStreamWriter, conn: Connection, content_length: int | None = None
+    ) -> None:
+        attempt = _ATTEMPT.get()
+        if attempt is not None and attempt.may_send is not None and not attempt.may_send():
+            attempt.withdrawn = True
+            assert conn.protocol is not None
+            # the answer's reader raises it: nothing was written, and the connection closes
+            conn.protocol.set_exception(_Withdrawn())
+            conn.close()
+            return
+        await super().write_bytes(writer, conn, content_length)
 
 
 class _CallConnector(aiohttp.TCPConnector):
@@ -261,12 +288,12 @@ class Upstreams:
                 return await self._sessions[upstream.name].request(
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
-        except _Withdrawn:
+        except Exception as exc:
+            if not (isinstance(exc, _Withdrawn) or attempt.withdrawn):
+                raise _classify(exc, attempt.connected, upstream) from exc
             raise UpstreamFailure(
                 "not_sent", errors.StoreUnavailable(LAPSED, retry_after=1), reason="instance_lapsed"
             ) from None
-        except Exception as exc:  # whatever it is, the receipt needs to know if it was sent
-            raise _classify(exc, attempt.connected, upstream) from exc
         finally:
             _ATTEMPT.reset(token)
 
@@ -307,6 +334,7 @@ def _client_session(
     """A session of `upstream`'s own: its pool and limits, bytes passed on as they are."""
     session = aiohttp.ClientSession(
         connector=connector(limit=upstream.max_connections, ssl=_ssl_context(upstream) or True),
+        request_class=_CheckedRequest,
         auto_decompress=False,
         trace_configs=traces,
         skip_auto_headers=_SKIP_AUTO_HEADERS,

@@ -57,3 +57,32 @@ def open_connections_to(port: int) -> int:
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
     remote = f"0100007F:{port:04X}"
     return sum(1 for row in rows if row.split()[2] == remote and row.split()[3] == "01")
+
+
+async def test_asked_again_just_before_the_body_is_written(upstream: RecordingUpstream) -> None:
+    """A call with a body is written by a task of aiohttp's own, after the connection is in
+    hand; the process may lapse (a pause, a slow loop) between the two. The check is asked
+    again at the start of that task: when the instance lapsed meanwhile, nothing is sent."""
+    tool = Upstream(name="tool", url=upstream.url, mount="/tool")
+    upstreams = Upstreams({"tool": tool})
+    await upstreams.open()
+    try:
+        answers = iter([True, False])  # alive with the connection in hand; lapsed at the write
+        deadline = asyncio.get_running_loop().time() + 5
+        with pytest.raises(UpstreamFailure) as failure:
+            await upstreams.send(
+                tool, "POST", "/act", CIMultiDict(), b"{}", deadline, may_send=lambda: next(answers)
+            )
+        assert failure.value.as_outcome(0.0).status == "not_sent"
+        assert failure.value.as_outcome(0.0).error == "instance_lapsed"
+        await asyncio.sleep(0.1)
+        assert upstream.requests == []
+        assert upstream.port is not None and open_connections_to(upstream.port) == 0
+        # a call whose checks both say yes goes through, on a connection of its own
+        async with await upstreams.send(
+            tool, "POST", "/act", CIMultiDict(), b"{}", deadline, may_send=lambda: True
+        ) as answer:
+            assert answer.status == 200
+        assert [r.path for r in upstream.requests] == ["/api/act"]
+    finally:
+        await upstreams.close()
