@@ -20,10 +20,14 @@ def main() -> int:
     parser.add_argument("--stores", default=",".join(STORES), help="sqlite,postgresql")
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--gap", default="1,4", help="LOW,HIGH: quiet seconds before each fault, drawn evenly"
+    )
     args = parser.parse_args()
     # The tool's answers to a gateway killed mid-call cannot be written; aiohttp logs each
     # with a traceback. Expected here, and the history says what happened.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    low, high = args.gap.split(",")
     failed = False
     for store in args.stores.split(","):
         with tempfile.TemporaryDirectory(prefix=f"soak-{store}-") as workdir:
@@ -33,6 +37,7 @@ def main() -> int:
                 workdir=Path(workdir),
                 clients=args.clients,
                 seed=args.seed,
+                nemesis_gap_s=(float(low), float(high)),
             )
             report = asyncio.run(soak(config))
         print(report.text(), flush=True)

@@ -57,7 +57,8 @@ class SoakConfig:
     seed: int = 1
     lease_ttl_s: float = 1.0
     actions: Sequence[Action] = ACTIONS
-    nemesis_gap_s: tuple[float, float] = (0.2, 1.0)
+    # quiet seconds before each fault: the short form packs a round into a few seconds
+    nemesis_gap_s: tuple[float, float] = (1.0, 4.0)
 
 
 @dataclasses.dataclass
@@ -88,6 +89,12 @@ def policy(upstream_url: str, lease_ttl_s: float) -> dict[str, Any]:
                 "queue_timeout_s": 5,
             },
             {"match": "ext/*", "lease": {"issuer": "external"}, "queue_timeout_s": 5},
+            {
+                "match": "serial/*",
+                "lease": {"issuer": "external"},
+                "concurrency": "serial",
+                "queue_timeout_s": 5,
+            },
         ],
         timeout_s=UPSTREAM_TIMEOUT_S,
     )

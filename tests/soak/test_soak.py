@@ -13,13 +13,19 @@ from tests.soak.run import SoakConfig, soak
 
 # About 30 s for both stores together, start and teardown included; a soak runs at least
 # one round of the nemesis (every fault once), however short.
-DURATION_S = {"sqlite": 8.0, "postgresql": 6.0}
+DURATION_S = {"sqlite": 6.0, "postgresql": 5.0}
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 async def test_a_short_soak_has_a_clean_history(store: str, tmp_path: Path) -> None:
     report = await soak(
-        SoakConfig(store=store, duration_s=DURATION_S[store], workdir=tmp_path, clients=10)
+        SoakConfig(
+            store=store,
+            duration_s=DURATION_S[store],
+            workdir=tmp_path,
+            clients=10,
+            nemesis_gap_s=(0.2, 1.0),
+        )
     )
     text = report.text()
     assert report.violations == [], text

@@ -38,8 +38,9 @@ from tests.soak.history import Attempt
 
 PATH = "/tool/op"  # the tool's /api/op: every call a side effect
 LEASE_RESOURCES = ("lease/a", "lease/b", "lease/c")
-EXTERNAL_RESOURCES = ("ext/a", "ext/b", "ext/c")
-RETRIES = 2  # after a lost answer, the same call (same key) is sent again at most this often
+EXTERNAL_RESOURCES = ("ext/a", "ext/b", "serial/a")  # serial/*: one call at a time
+RETRIES = 3  # after a lost answer, the same call (same key) is sent again at most this often
+RETRY_WAIT_S = (0.2, 1.2)  # long enough for some retries to meet the restarted gateway
 
 
 class ExternalIssuer:
@@ -144,11 +145,11 @@ class Workload:
             except GatewayError as refused:
                 self._record(record(refused.status, code=refused.code))
                 return
-            except (aiohttp.ClientError, TimeoutError):
-                self._record(record(None))
+            except (aiohttp.ClientError, TimeoutError) as lost:
+                self._record(record(None), connected=not _not_connected(lost))
                 if self.stop.is_set():
                     return
-                await self._pause(rng, 0.05, 0.4)
+                await self._pause(rng, *RETRY_WAIT_S)
                 continue
             self._record(
                 record(
@@ -183,11 +184,15 @@ class Workload:
         self, url: str, resource: str, fence: int, owner: str, rng: random.Random, kind: str
     ) -> None:
         """A fenced call by hand (no client-side check), retried with its key when the answer
-        is lost."""
+        is lost. Now and then the client gives up waiting almost at once and hangs up: the
+        admitted call must go on and its outcome be recorded all the same (§3)."""
         self.counts[kind] += 1
         key = uuid.uuid4().hex
         for _ in range(1 + RETRIES):
             request_id = uuid.uuid4().hex
+            impatient = rng.random() < 0.05
+            if impatient:
+                self.counts["calls hung up on by the client"] += 1
             began = time.monotonic()
             result = await call(
                 self.session,
@@ -196,13 +201,14 @@ class Workload:
                 data=f'{{"owner": "{owner}", "key": "{key}"}}'.encode(),
                 headers=fenced_headers(resource, fence, owner=owner, **{"Idempotency-Key": key})
                 | {"X-Request-Id": request_id},
+                timeout=aiohttp.ClientTimeout(total=rng.uniform(0.005, 0.05) if impatient else 10),
             )
             record = _recorder(request_id, key, resource, fence, began)
             if result.headers is None:
-                self._record(record(None))
+                self._record(record(None), connected=not _not_connected(result.error))
                 if self.stop.is_set():
                     return
-                await self._pause(rng, 0.05, 0.4)
+                await self._pause(rng, *RETRY_WAIT_S)
                 continue
             self._record(
                 record(
@@ -217,9 +223,11 @@ class Workload:
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
-    def _record(self, attempt: Attempt) -> None:
+    def _record(self, attempt: Attempt, *, connected: bool = True) -> None:
         self.attempts.append(attempt)
-        if attempt.status is None:
+        if not connected:
+            self.counts["calls not connected (gateway down)"] += 1
+        elif attempt.status is None:
             self.counts["calls without an answer"] += 1
         elif attempt.acknowledged:
             self.counts["calls acknowledged"] += 1
@@ -231,6 +239,11 @@ class Workload:
     async def _pause(self, rng: random.Random, low: float, high: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), rng.uniform(low, high))
+
+
+def _not_connected(error: BaseException | None) -> bool:
+    """The gateway was not there: nothing of the request was sent."""
+    return isinstance(error, aiohttp.ClientConnectorError)
 
 
 def _recorder(
