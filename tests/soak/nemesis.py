@@ -138,16 +138,18 @@ async def run_nemesis(
 ) -> None:
     """Play `actions` in rounds until `stop` is set; count each one played in `counts`.
 
-    A round under way when `stop` is set is played to its end, so every action is played at
-    least once however short the soak, and the cluster is whole (nothing paused, nothing
-    dead) when this returns."""
+    The first round, and one under way when `stop` is set, are played to their end, so every
+    action is played at least once however short the soak, and the cluster is whole (nothing
+    paused, nothing dead) when this returns."""
     usable = [action for action in actions if action.applies(cluster)]
     for action in usable:
         counts.setdefault(action.name, 0)
-    while not stop.is_set():
+    while True:
         order = list(usable)
         rng.shuffle(order)
         for action in order:
             await asyncio.sleep(rng.uniform(*gap_s))
             await action(cluster, rng.randrange(len(cluster.gateways)), rng)
             counts[action.name] += 1
+        if stop.is_set():
+            return

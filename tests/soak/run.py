@@ -118,8 +118,9 @@ async def soak(config: SoakConfig) -> SoakReport:
     try:
         async with RecordingUpstream() as upstream:
             upstream.default = tool_behavior(random.Random(rng.random()))
-            cluster = await _start_cluster(config, upstream, database)
+            cluster = _cluster(config, upstream, database)
             try:
+                await asyncio.gather(*(gateway.start() for gateway in cluster.gateways))
                 return await _run(config, cluster, upstream, rng)
             finally:
                 for gateway in cluster.gateways:
@@ -129,9 +130,7 @@ async def soak(config: SoakConfig) -> SoakReport:
             drop_database(database)
 
 
-async def _start_cluster(
-    config: SoakConfig, upstream: RecordingUpstream, database: str | None
-) -> Cluster:
+def _cluster(config: SoakConfig, upstream: RecordingUpstream, database: str | None) -> Cluster:
     policy_path = write_policy(
         config.workdir / "policies.yaml", policy(upstream.url, config.lease_ttl_s)
     )
@@ -155,15 +154,13 @@ async def _start_cluster(
                 workdir, policy_path, sweep_interval_s=SWEEP_S, extra_env=extra, port=free_port()
             )
         )
-    cluster = Cluster(
+    return Cluster(
         gateways,
         config.lease_ttl_s,
         database,
         names if database else [],
         calls_in_flight=lambda: sum(upstream.inflight.values()),
     )
-    await asyncio.gather(*(gateway.start() for gateway in gateways))
-    return cluster
 
 
 async def _run(
