@@ -20,6 +20,7 @@ def main() -> int:
     parser.add_argument("--stores", default=",".join(STORES), help="sqlite,postgresql")
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--durability", default="strict", choices=["strict", "relaxed"])
     parser.add_argument(
         "--gap", default="1,4", help="LOW,HIGH: quiet seconds before each fault, drawn evenly"
     )
@@ -38,6 +39,7 @@ def main() -> int:
                 clients=args.clients,
                 seed=args.seed,
                 nemesis_gap_s=(float(low), float(high)),
+                durability=args.durability,
             )
             report = asyncio.run(soak(config))
         print(report.text(), flush=True)

@@ -56,6 +56,7 @@ class SoakConfig:
     clients: int = 8
     seed: int = 1
     lease_ttl_s: float = 1.0
+    durability: str = "strict"  # GATEWAY_DURABILITY; both claim to survive a process crash
     actions: Sequence[Action] = ACTIONS
     # quiet seconds before each fault: the short form packs a round into a few seconds
     nemesis_gap_s: tuple[float, float] = (1.0, 4.0)
@@ -64,12 +65,13 @@ class SoakConfig:
 @dataclasses.dataclass
 class SoakReport:
     store: str
+    durability: str
     duration_s: float
     counts: dict[str, int]
     violations: list[Violation]
 
     def text(self, *, shown: int = 20) -> str:
-        lines = [f"soak on {self.store}, {self.duration_s:.0f} s:"]
+        lines = [f"soak on {self.store} ({self.durability}), {self.duration_s:.0f} s:"]
         lines += [f"  {name}: {value}" for name, value in self.counts.items()]
         lines.append(f"  violations: {len(self.violations)}")
         lines += [f"    {name}: {n}" for name, n in summary(self.violations).items()]
@@ -136,6 +138,7 @@ def _cluster(config: SoakConfig, upstream: RecordingUpstream, database: str | No
     )
     env = {
         "GATEWAY_RECONCILE_GRACE_S": str(RECONCILE_GRACE_S),
+        "GATEWAY_DURABILITY": config.durability,
         "GATEWAY_LOG_LEVEL": "WARNING",  # hours of soak must not fill the disk with call logs
     }
     count = 1 if database is None else 2
@@ -219,7 +222,7 @@ async def _run(
             for status, n in sorted(Counter(r.status for r in receipts).items())
         },
     }
-    return SoakReport(config.store, elapsed, counts, violations)
+    return SoakReport(config.store, config.durability, elapsed, counts, violations)
 
 
 async def _settled_receipts(session: aiohttp.ClientSession, url: str) -> list[Receipt]:
