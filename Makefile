@@ -10,7 +10,7 @@ FLOOR_VENV := .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 
-.PHONY: run test test-floor bench lint clean
+.PHONY: run test test-floor bench soak lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-floor: $(FLOOR_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench
+
+# The long soak: DURATION seconds on SQLite, then as long on PostgreSQL (two replicas).
+DURATION ?= 300
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak --duration $(DURATION)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -439,6 +439,7 @@ class GatewayProcess:
         sweep_interval_s: float = 0.2,
         extra_env: Mapping[str, str] | None = None,
         ready_timeout: float = 15.0,
+        port: int | None = None,
     ) -> None:
         self.workdir = workdir
         self.policy_path = policy_path
@@ -446,6 +447,9 @@ class GatewayProcess:
         self.sweep_interval_s = sweep_interval_s
         self.extra_env = dict(extra_env or {})
         self.ready_timeout = ready_timeout
+        # A port given here is kept across restarts, so clients keep one address through
+        # kill -9 (the gateway binds with SO_REUSEADDR); else each start takes a fresh one.
+        self.fixed_port = port
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -506,7 +510,7 @@ class GatewayProcess:
             raise RuntimeError("gateway already running")
         self.starts += 1
         # A fresh port per start: a restart right after kill -9 never races the old socket.
-        self.port = free_port()
+        self.port = self.fixed_port or free_port()
         self._stderr_file = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve"],
