@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=64)
     # docs/contract.md §15: the address CDP discovery answers point at (http or https)
     public_url: str | None = None
+    # proxied calls in progress at once: "auto" (an adaptive limit) or a fixed number
+    max_inflight: int | Literal["auto"] = "auto"
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -70,6 +72,19 @@ class Settings(BaseSettings):
         if value:
             parse_failpoints(value)
         return value
+
+    @field_validator("max_inflight", mode="before")
+    @classmethod
+    def _check_max_inflight(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            raise ValueError(f"{value!r}: use auto or a whole number of calls") from None
+        if number < 1:
+            raise ValueError(f"{value!r}: the limit must be at least 1")
+        return number
 
     @field_validator("database_url")
     @classmethod

@@ -157,7 +157,8 @@ async def forward(
                 may_send=lambda: store.may_forward(admitted.instance),
             )
         except UpstreamFailure as failure:
-            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
+            flow.upstream_s = time.time() - forwarded_at
+            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
             if outcome.status == "outcome_unknown":
@@ -168,7 +169,8 @@ async def forward(
             return
         async with answer:
             head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)
-            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
+            flow.upstream_s = time.time() - forwarded_at
+            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
             outcome = head.outcome(forwarded_at)
             flow.status = head.status
