@@ -30,7 +30,12 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class GradientLimit:
     limit: float = 100.0
-    min_limit: int = 20
+    # The floor. Clients that resend at once when shed (wrk, a retry loop without backoff)
+    # load the process with their 503s, which raises the latency of the calls it took, which
+    # shrinks the limit, which sheds more: below some floor that spiral would leave a process
+    # shedding under an ordinary load long after the flood. 100 calls in progress is well
+    # within what one process serves.
+    min_limit: int = 100
     max_limit: int = 1000
     tolerance: float = 1.5
     smoothing: float = 0.2

@@ -13,8 +13,9 @@ each ratio is the median of the per-round ratios of two figures measured minutes
 most, which cancels most of the drift. The memory row runs last, on a fresh gateway.
 
 Environment: BENCH_ROUNDS (default 5), BENCH_SECONDS per measurement (default 5),
-BENCH_QUICK=1 for a short run while developing (2 rounds of 2 s, a memory row of 100,000
-calls). The table is printed and written to var/bench.md.
+BENCH_MEMORY_CALLS and BENCH_MEMORY_RESOURCES (default 1,000,000 over 100,000), BENCH_QUICK=1
+for a short run while developing (2 rounds of 2 s, a memory row of 100,000 calls over 10,000).
+The table is printed and written to var/bench.md.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ OVERLOAD_CONNECTIONS = 2000
 SPREAD_RESOURCES = 10_000
 LEASES = 32
 SERIAL_RESOURCES = 100
-MEMORY_CALLS = 100_000 if QUICK else 1_000_000
-MEMORY_RESOURCES = 10_000 if QUICK else 100_000
+MEMORY_CALLS = int(os.environ.get("BENCH_MEMORY_CALLS", "100000" if QUICK else "1000000"))
+MEMORY_RESOURCES = int(os.environ.get("BENCH_MEMORY_RESOURCES", "10000" if QUICK else "100000"))
 RETENTION_S = 30  # the bench's gateways keep receipts and keys this long: a steady database
 PROBE_CONNECTIONS = 4  # beside the 2,000: the latency of calls that were admitted
 

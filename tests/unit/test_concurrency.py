@@ -32,7 +32,7 @@ def test_the_limit_stays_within_its_bounds() -> None:
 
 
 def test_windows_need_both_time_and_calls() -> None:
-    limit = GradientLimit(limit=40, min_samples=10, window_s=0.1)
+    limit = GradientLimit(limit=40, min_limit=20, min_samples=10, window_s=0.1)
     for i in range(9):
         limit.sample(0.010, 40, now=i * 0.1)
     assert limit.long_rtt == 0  # nine calls over 0.8 s: no window closed yet
@@ -64,13 +64,23 @@ def test_an_ordinary_load_is_never_shed() -> None:
 
 
 def test_a_flood_of_clients_is_held_to_a_bounded_latency() -> None:
-    """After a calm minute at 32 clients, 2,000 arrive: the admitted calls' latency stays
-    within a small multiple of the calm one instead of growing with the crowd (2,000 calls in
-    progress would take 0.67 s each)."""
-    limit = GradientLimit()
+    """After a calm minute at 32 clients, 2,000 arrive: the limit falls back to its floor, and
+    the admitted calls' latency stays a small multiple of the calm one instead of growing with
+    the crowd (2,000 calls in progress would take 0.67 s each)."""
+    limit = GradientLimit(limit=300)
     _, calm = simulate(32, 60.0, limit)
     final, flooded = simulate(2000, 10.0, limit, start=60.0)
-    assert final < 200
+    assert final == limit.min_limit
+    assert flooded < 3.5 * calm and flooded < 0.1 * (2000 / 3000)
+
+
+def test_below_the_floor_a_lower_limit_would_find_a_lower_latency() -> None:
+    """With a floor of 20 the same flood is held closer to the calm latency: the floor trades
+    latency under a flood for never shedding an ordinary load (see `min_limit`)."""
+    limit = GradientLimit(limit=300, min_limit=20)
+    _, calm = simulate(32, 60.0, limit)
+    final, flooded = simulate(2000, 10.0, limit, start=60.0)
+    assert 20 <= final < 100
     assert flooded < 3 * calm
 
 
