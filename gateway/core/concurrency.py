@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class GradientLimit:
-    limit: float = 100.0
+    # A fresh process starts at its ceiling and sheds nothing it can take: a burst of calls is
+    # not a flood. A flood brings the limit down to its floor in about two seconds (22
+    # windows), since a window takes at most a tenth off it.
+    limit: float = 1000.0
     # The floor. Clients that resend at once when shed (wrk, a retry loop without backoff)
     # load the process with their 503s, which raises the latency of the calls it took, which
     # shrinks the limit, which sheds more: below some floor that spiral would leave a process

@@ -58,6 +58,10 @@ def simulate(
     return limit.current, latency
 
 
+def test_a_fresh_process_takes_a_burst() -> None:
+    assert GradientLimit().current == 1000
+
+
 def test_an_ordinary_load_is_never_shed() -> None:
     final, _ = simulate(32, 20.0, GradientLimit())
     assert final >= 32
