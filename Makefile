@@ -15,7 +15,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,speed]'
 	touch $(STAMP)
 
 $(FLOOR_STAMP): pyproject.toml Makefile

@@ -5,7 +5,6 @@ Bad arguments or configuration: one line on stderr, exit 2."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import sys
 from collections.abc import Sequence
@@ -118,6 +117,7 @@ def _serve(workers: int | None, worker: bool) -> int:
     from gateway.config.clients import load_clients
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
+    from gateway.server import eventloop
     from gateway.server.serve import ConfigError, check_open_bind, serve
     from gateway.server.workers import WorkersError, check_workers, supervise
 
@@ -133,7 +133,7 @@ def _serve(workers: int | None, worker: bool) -> int:
         check_open_bind(settings)
         if settings.workers > 1 and not worker:
             return supervise(settings)
-        asyncio.run(serve(settings, policies, clients, reuse_port=worker))
+        eventloop.run(serve(settings, policies, clients, reuse_port=worker))
     except (_Abort, PolicyError, ConfigError, WorkersError) as exc:
         return _fail(str(exc))
     return 0

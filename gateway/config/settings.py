@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     public_url: str | None = None
     # docs/contract.md §18: how far above the backup's highest fence a restore sets the floor
     restore_fence_gap: int = Field(DEFAULT_GAP, ge=1, le=MAX_FENCE)
+    # proxied calls in progress at once: "auto" (an adaptive limit) or a fixed number
+    max_inflight: int | Literal["auto"] = "auto"
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -75,6 +77,19 @@ class Settings(BaseSettings):
         if value:
             parse_failpoints(value)
         return value
+
+    @field_validator("max_inflight", mode="before")
+    @classmethod
+    def _check_max_inflight(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            raise ValueError(f"{value!r}: use auto or a whole number of calls") from None
+        if number < 1:
+            raise ValueError(f"{value!r}: the limit must be at least 1")
+        return number
 
     @field_validator("database_url")
     @classmethod

@@ -35,6 +35,7 @@
     ├── UpstreamOutcomeUnknown        502 upstream_outcome_unknown
     ├── ResourceBusy                  503 resource_busy
     ├── StoreUnavailable              503 store_unavailable
+    ├── Overloaded                    503 overloaded
     └── UpstreamTimeout               504 upstream_timeout
 
 Errors carry only what the client may see: never the current fence or a holder's token.
@@ -206,6 +207,10 @@ class ResourceBusy(GatewayError):
 
 class StoreUnavailable(GatewayError):
     status, code, title = 503, "store_unavailable", "Store unavailable"
+
+
+class Overloaded(GatewayError):
+    status, code, title = 503, "overloaded", "Overloaded"
 
 
 class UpstreamTimeout(GatewayError):

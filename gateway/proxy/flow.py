@@ -34,6 +34,7 @@ class Flow:
     call: Call | None = None  # what admission was asked
     admitted: Admitted | None = None  # what admission said, when it let the call in
     status: int | None = None  # what the tool answered
+    upstream_s: float = 0.0  # how long the tool took to answer (to its head): not the gateway's
     replayed: bool = False  # answered from a stored answer
     kind: Kind = "call"  # "session": a WebSocket upgrade (docs/contract.md §15)
     session: dict[str, Any] = field(default_factory=dict)  # a session's end, for its log line

@@ -172,7 +172,8 @@ async def forward(
                 may_send=lambda: store.may_forward(admitted.instance),
             )
         except UpstreamFailure as failure:
-            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
+            flow.upstream_s = time.time() - forwarded_at
+            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
             if outcome.status == "outcome_unknown":
@@ -186,7 +187,8 @@ async def forward(
                 head, outcome = await read_plain_answer(rule, answer, deadline, forwarded_at)
             else:
                 head, outcome = await read_answer(answer, deadline, forwarded_at)
-            metrics.upstream_of(upstream.name).observe(time.time() - forwarded_at)
+            flow.upstream_s = time.time() - forwarded_at
+            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
             flow.status = head.status
             yield Exchange(

@@ -65,13 +65,17 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
         {headers.REQUEST_ID_HEADER: flow.request_id},
         settings.trusted_networks,
     )
-    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + upstream.timeout_s
+    sent_at = loop.time()
     try:
         answer = await app[appkeys.UPSTREAMS].send(
             upstream, request.method, flow.rest, sent, _body_or_none(request, body), deadline
         )
     except UpstreamFailure as failure:
         raise failure.error from None
+    finally:
+        flow.upstream_s = loop.time() - sent_at
     discovery = cdp.is_discovery(upstream, request.method, flow.rest)
     async with answer:
         head = await read_head(answer, cdp.DISCOVERY_MAX_BYTES if discovery else 0, deadline)

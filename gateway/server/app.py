@@ -17,6 +17,7 @@ from gateway.proxy import appkeys, handler, sessions
 from gateway.proxy.failpoints import Failpoints
 from gateway.proxy.ordering import Lanes
 from gateway.proxy.upstream import Upstreams
+from gateway.server import overload
 from gateway.server.auth import authenticate
 from gateway.server.middleware import problems
 from gateway.store import create_store
@@ -27,6 +28,7 @@ def create_app(
     settings: Settings, policies: PolicySet, clients: Clients | None = None
 ) -> web.Application:
     app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
+    overload.install(app, settings.max_inflight)  # GATEWAY_MAX_INFLIGHT: first of all
     app[appkeys.CLIENTS] = clients
     app[appkeys.SETTINGS] = settings
     app[appkeys.POLICIES] = policies

@@ -158,6 +158,9 @@ def _log(
     replayed: bool,
     started: float,
 ) -> None:
+    level = logging.WARNING if error is not None and error.status >= 500 else logging.INFO
+    if not logs.log.isEnabledFor(level):
+        return  # the line would be dropped: do not build it
     session = fields.get("kind") == "session"
     logs.event(
         "rejected"
@@ -167,7 +170,7 @@ def _log(
         else "session"
         if session
         else "call",
-        logging.WARNING if error is not None and error.status >= 500 else logging.INFO,
+        level,
         request_id=request_id,
         receipt_id=fields.get("receipt_id") or response.headers.get(headers.RECEIPT_HEADER),
         client=fields.get("client"),

@@ -6,10 +6,18 @@ writer are strictly increasing, which is what cursor pagination relies on.
 
 from __future__ import annotations
 
-import secrets
+import os
+import random
 import time
 
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]  # two digits for each 10-bit value
+_SHIFTS = range(120, -1, -10)  # 13 pairs: 130 bits, the top two always 0
+# Ids must be unique and ordered, not secret (a receipt id grants nothing): the Mersenne
+# Twister, seeded from the OS, instead of a system call for every new millisecond.
+_random = random.Random()
+# A forked child would otherwise draw the parent's sequence and mint the parent's ids.
+os.register_at_fork(after_in_child=_random.seed)
 
 
 class MonotonicUlid:
@@ -27,7 +35,7 @@ class MonotonicUlid:
         if ms <= self._last_ms:
             ms, random = self._last_ms, self._last_random + 1
         else:
-            random = secrets.randbits(79)  # leaves room to count up within a millisecond
+            random = _random.getrandbits(79)  # leaves room to count up within a millisecond
         self._last_ms, self._last_random = ms, random
         return _encode((ms << 80) | random)
 
@@ -38,11 +46,8 @@ def id_floor(ts: float) -> str:
 
 
 def _encode(value: int) -> str:
-    chars = []
-    for _ in range(26):
-        chars.append(_ALPHABET[value & 31])
-        value >>= 5
-    return "".join(reversed(chars))
+    """26 Crockford digits of a 128-bit value, two at a time."""
+    return "".join([_PAIRS[(value >> shift) & 1023] for shift in _SHIFTS])
 
 
 def _decode(text: str) -> int:

@@ -1,13 +1,20 @@
-"""`make bench`: one table of what the gateway costs, every row measured in the same run.
+"""`make bench`: what a fenced, durable call through the gateway costs, beside what the same
+call costs through the proxies a user would run instead, every figure from the same run.
 
-A real tool (tests/bench/upstream.py) and real gateways (`python -m gateway serve`, each with
-its own SQLite file: strict, relaxed, and strict on a store already holding a week of receipts;
-and, when PostgreSQL answers at 127.0.0.1:5432, one replica, two replicas and `--workers 2`
-on a fresh PostgreSQL database each) run as subprocesses on 127.0.0.1; this process only
-drives load with a fixed number of concurrent aiohttp workers. The machines are shared and
-noisy, so every round runs every scenario back to back (in a rotating order), each row
-reports medians over the rounds, and "× direct" is the median of the per-round ratios to the
-direct call, which cancels most of the drift. The memory row runs last, on a fresh gateway.
+Processes on 127.0.0.1: the tool (tests/bench/upstream.py), the peer (tests/bench/peer.py: a
+bare aiohttp pass-through proxy on uvloop), nginx when installed (tests/bench/nginx.py), and
+gateways (`python -m gateway serve`, each with its own SQLite file). All load comes from `wrk
+-t1` with the Lua scripts in tests/bench/lua (fenced POSTs: fence headers, a body unique to
+every call so that no call is a replay).
+
+The machines are shared and noisy, so absolute figures drift; every round runs every
+measurement back to back (in a rotating order), each row shows medians over the rounds, and
+each ratio is the median of the per-round ratios of two figures measured minutes apart at
+most, which cancels most of the drift. The memory row runs last, on a fresh gateway.
+
+Environment: BENCH_ROUNDS (default 5), BENCH_SECONDS per measurement (default 5),
+BENCH_MEMORY_CALLS and BENCH_MEMORY_RESOURCES (default 1,000,000 over 100,000), BENCH_QUICK=1
+for a short run while developing (2 rounds of 2 s, a memory row of 100,000 calls over 10,000).
 The table is printed and written to var/bench.md.
 """
 
@@ -15,115 +22,63 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import platform
+import secrets
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from tests.bench import fsyncs, prefill
+from tests.bench import fsyncs, wrk
+from tests.bench.nginx import nginx
 from tests.harness import REPO_ROOT, GatewayProcess, make_policy, write_policy
 from tests.pg import drop_database, run_sync, server_sql, url_of
 
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
-WORKERS = 64
-CALLS = 1280  # per scenario and round: 20 calls for each of the 64 workers
-SERIAL_CALLS = 512  # one resource, one call at a time: slower, so fewer
-SINGLE_CALLS = 200  # the concurrency-1 row
-WARMUP_CALLS = 256
-MEMORY_RESOURCES = 10_000
-AGED_RECEIPTS = 300_000  # 7 days of retention at one call every two seconds
-AGED_CALLS = 2560  # resumed from SIGSTOP, its overdue sweep runs within each sample
-
-Request = tuple[str, str, dict[str, str], bytes | None]  # method, url, headers, body
-
-
-@dataclass
-class Sample:
-    calls: int
-    seconds: float
-    latencies: list[float]
-    errors: int
-    cpu_s: float | None = None  # the gateway's user + system CPU time during the sample
-    fsyncs: int | None = None
-
-    @property
-    def rate(self) -> float:
-        return self.calls / self.seconds
-
-    def quantile_ms(self, q: int) -> float:
-        return statistics.quantiles(self.latencies, n=100)[q - 1] * 1000
+QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2" if QUICK else "5"))
+SECONDS = float(os.environ.get("BENCH_SECONDS", "2" if QUICK else "5"))
+CONNECTIONS = 32
+OVERLOAD_CONNECTIONS = 2000
+SPREAD_RESOURCES = 10_000
+LEASES = 32
+SERIAL_RESOURCES = 100
+MEMORY_CALLS = int(os.environ.get("BENCH_MEMORY_CALLS", "100000" if QUICK else "1000000"))
+MEMORY_RESOURCES = int(os.environ.get("BENCH_MEMORY_RESOURCES", "10000" if QUICK else "100000"))
+RETENTION_S = 30  # the bench's gateways keep receipts and keys this long: a steady database
+PROBE_CONNECTIONS = 4  # beside the 2,000: the latency of calls that were admitted
 
 
 @dataclass
-class Scenario:
+class Measure:
     name: str
-    request: Callable[[int], Request]
+    url: str
+    connections: int
+    script: str = "get.lua"
+    args: Callable[[], tuple[str, ...]] = tuple
     gateway: GatewayProcess | None = None
-    calls: int = CALLS
-    workers: int = WORKERS
-    paused: bool = False  # SIGSTOP between samples: its idle work would slow the other rows
-    fsyncs_here: bool = True  # False: the store's fsyncs are the database server's
-    samples: list[Sample] = field(default_factory=list)
+    fsyncs_here: bool = True
+    probe: str | None = None  # a fenced-POST URL for the admitted-latency probe
+    results: list[wrk.Result] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    fsync_counts: list[int] = field(default_factory=list)
+    probe_p99: list[float] = field(default_factory=list)
+    rss_mib: list[float] = field(default_factory=list)
+
+    def median(self, value: Callable[[wrk.Result], float]) -> float:
+        return statistics.median(value(r) for r in self.results)
 
 
-_serial = itertools.count()
-
-
-async def drive(
-    session: aiohttp.ClientSession, request: Callable[[int], Request], calls: int, workers: int
-) -> Sample:
-    """`calls` requests from `workers` concurrent workers; each request gets a unique number."""
-    latencies: list[float] = []
-    errors = 0
-    issued = itertools.count()
-
-    async def worker() -> None:
-        nonlocal errors
-        while next(issued) < calls:
-            method, url, headers, body = request(next(_serial))
-            started = time.perf_counter()
-            try:
-                async with session.request(method, url, headers=headers, data=body) as resp:
-                    await resp.read()
-                    errors += resp.status != 200
-            except (aiohttp.ClientError, OSError):
-                errors += 1
-            latencies.append(time.perf_counter() - started)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(workers)))
-    return Sample(calls, time.perf_counter() - started, latencies, errors)
-
-
-def plain_get(url: str) -> Callable[[int], Request]:
-    return lambda n: ("GET", url, {}, None)
-
-
-def fenced_post(url: str, resource: Callable[[int], str]) -> Callable[[int], Request]:
-    """A fenced call with a body of its own, so its derived idempotency key is new (no replay).
-
-    Fence 1 on every call: with an external issuer an equal fence is accepted, so no call is
-    stale and none waits for an older one.
-    """
-
-    def request(n: int) -> Request:
-        headers = {
-            "X-Lease-Resource": resource(n),
-            "X-Fence-Token": "1",
-            "Content-Type": "application/json",
-        }
-        return "POST", f"{url}/tool/act", headers, b'{"n": %d}' % n
-
-    return request
+def fenced(path: str, base: str, resources: int, *lease: str) -> Callable[[], tuple[str, ...]]:
+    """wrk arguments for fenced.lua; a new run word for every measurement."""
+    return lambda: (path, secrets.token_hex(6), base, str(resources), "0", *lease)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,21 +87,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_mib(pid: int) -> float:
+def memory_mib(pid: int, field_name: str = "VmRSS") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field_name + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field_name} for pid {pid}")
+
+
+async def _spawn(module: str, *args: str) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    port = int(await asyncio.wait_for(proc.stdout.readline(), 15))
+    return proc, f"http://127.0.0.1:{port}"
 
 
 @contextlib.asynccontextmanager
-async def upstream_process():
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.bench.upstream", cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
-    )
+async def process(module: str, *args: str) -> AsyncIterator[str]:
+    proc, url = await _spawn(module, *args)
     try:
-        port = int(await asyncio.wait_for(proc.stdout.readline(), 15))
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         proc.terminate()
         await proc.wait()
@@ -166,6 +127,7 @@ async def gateway_process(
             "GATEWAY_DATABASE_URL": f"sqlite:///{workdir / 'bench.db'}",
             "GATEWAY_DURABILITY": durability,
             "GATEWAY_LOG_LEVEL": "WARNING",
+            "GATEWAY_RECEIPT_RETENTION_S": str(RETENTION_S),
             **env,
         },
     )
@@ -173,15 +135,15 @@ async def gateway_process(
     try:
         yield gateway
     finally:
-        if gateway.proc.poll() is None:  # a paused gateway would not hear SIGTERM
+        if gateway.proc is not None and gateway.proc.poll() is None:
             os.kill(gateway.proc.pid, signal.SIGCONT)
         await gateway.terminate()
 
 
 @contextlib.contextmanager
-def postgres_database() -> Iterator[str | None]:
+def postgres_database() -> Any:
     """A fresh PostgreSQL database's URL, dropped afterwards; None when none answers."""
-    name = f"fg_bench_{os.getpid()}_{next(_databases)}"
+    name = f"fg_bench_{os.getpid()}_{secrets.token_hex(3)}"
     try:
         run_sync(server_sql, f"CREATE DATABASE {name}")
     except (OSError, TimeoutError):
@@ -193,64 +155,171 @@ def postgres_database() -> Iterator[str | None]:
         drop_database(name)
 
 
-_databases = itertools.count()
+async def acquire_leases(session: aiohttp.ClientSession, url: str) -> tuple[str, ...]:
+    """LEASES gateway-issued leases on lease/0.., held by `bench`: the owner and the fences."""
+    fences = []
+    for i in range(LEASES):
+        async with session.post(
+            f"{url}/_gateway/v1/leases/lease/{i}", json={"owner": "bench", "ttl_s": 3600}
+        ) as resp:
+            assert resp.status == 201, await resp.text()
+            fences.append(str((await resp.json())["fence"]))
+    return ("bench", *fences)
 
 
-def alternating(*requests: Callable[[int], Request]) -> Callable[[int], Request]:
-    """Spread calls over replicas, as a load balancer with no affinity would."""
-    return lambda n: requests[n % len(requests)](n)
+async def probe(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
+    """Fenced POSTs on PROBE_CONNECTIONS connections while wrk runs; the latencies (s) of those
+    that were admitted (200). wrk's own percentiles mix them with the fast 503s."""
+    latencies: list[float] = []
+
+    async def one(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            headers = {"X-Lease-Resource": f"par/probe{worker}", "X-Fence-Token": "1"}
+            body = b'{"probe": "%s", "n": %d}' % (secrets.token_hex(6).encode(), n)
+            started = time.perf_counter()
+            try:
+                async with session.post(url, headers=headers, data=body) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        latencies.append(time.perf_counter() - started)
+                    else:
+                        await asyncio.sleep(0.01)
+            except (aiohttp.ClientError, OSError):
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(one(i) for i in range(PROBE_CONNECTIONS)))
+    return latencies
 
 
-async def measure(session: aiohttp.ClientSession, scenario: Scenario, perf: bool) -> Sample:
-    if scenario.gateway is None:
-        return await drive(session, scenario.request, scenario.calls, scenario.workers)
-    pid = scenario.gateway.proc.pid
-    if scenario.paused:
-        os.kill(pid, signal.SIGCONT)
-    try:
-        async with fsyncs.counting(pid, perf) as count:
-            cpu = cpu_seconds(pid)
-            sample = await drive(session, scenario.request, scenario.calls, scenario.workers)
-            sample.cpu_s = cpu_seconds(pid) - cpu
-    finally:
-        if scenario.paused:
-            os.kill(pid, signal.SIGSTOP)
-    sample.fsyncs = count.value
-    return sample
+async def measure(session: aiohttp.ClientSession, m: Measure, perf: bool) -> None:
+    pid = m.gateway.proc.pid if m.gateway is not None and m.gateway.proc else None
+    run = wrk.run(m.url, connections=m.connections, seconds=SECONDS, script=m.script, args=m.args())
+    if pid is None:
+        m.results.append(await run)
+        _progress(m)
+        return
+    stop = asyncio.Event()
+    async with fsyncs.counting(pid, perf and m.fsyncs_here) as count:
+        cpu = cpu_seconds(pid)
+        probing = asyncio.ensure_future(probe(session, m.probe, stop)) if m.probe else None
+        result = await run
+        used = cpu_seconds(pid) - cpu
+        stop.set()
+        if probing is not None:
+            latencies = await probing
+            if len(latencies) >= 2:
+                m.probe_p99.append(statistics.quantiles(latencies, n=100)[98] * 1000)
+    m.results.append(result)
+    m.cpu_us.append(used / max(result.requests, 1) * 1e6)
+    m.rss_mib.append(memory_mib(pid))
+    if count.value is not None:
+        m.fsync_counts.append(count.value)
+    _progress(m)
 
 
-async def memory_row(session: aiohttp.ClientSession, root: Path, policy: Path) -> list[str]:
-    """RSS idle, after 10,000 fenced calls on 10,000 resources, and after 10,000 more.
-
-    The first 10,000 also fill allocator pools and SQLite's page cache (bounded); the second
-    batch is the leak test: memory kept per resource (lanes never freed, say) grows it again.
-    """
-    async with gateway_process(root, "memory", policy, "strict") as gateway:
-        pid = gateway.proc.pid
-        idle = rss_mib(pid)
-        first = await drive(
-            session, fenced_post(gateway.url, lambda n: f"mem/{n}"), MEMORY_RESOURCES, WORKERS
-        )
-        after = rss_mib(pid)
-        second = await drive(
-            session, fenced_post(gateway.url, lambda n: f"mem/{n}"), MEMORY_RESOURCES, WORKERS
-        )
-        more = rss_mib(pid)
-    per_resource = (more - after) * 1024 * 1024 / MEMORY_RESOURCES
-    note = (
-        f"RSS idle {idle:.1f} MiB → {after:.1f} after 10k resources → {more:.1f} after "
-        f"10k more ({per_resource:+.0f} B/resource)"
+def _progress(m: Measure) -> None:
+    r = m.results[-1]
+    print(
+        f"  {m.name}, {m.connections} conns: {r.rate:.0f}/s p50 {r.p50_ms:.2f} ms "
+        f"p99 {r.p99_ms:.1f} ms, {r.errors} errors",
+        file=sys.stderr,
+        flush=True,
     )
-    errors = first.errors + second.errors
+
+
+def ratio(m: Measure, base: Measure | None) -> str:
+    if base is None or not base.results:
+        return ""
+    ratios = [a.rate / b.rate for a, b in zip(m.results, base.results, strict=True)]
+    return f"{statistics.median(ratios):.2f}"
+
+
+def cells(m: Measure, peer: Measure | None, ngx: Measure | None, note: str = "") -> list[str]:
+    errors = sum(r.errors for r in m.results)
+    notes = [note] if note else []
     if errors:
-        note += f"; {errors} errors"
+        notes.append(f"{errors} errors or non-2xx")
+    cpu = f"{statistics.median(m.cpu_us):.0f}" if m.cpu_us else ""
+    per_fsync = ""
+    if m.fsync_counts and sum(m.fsync_counts):
+        per_fsync = f"{sum(r.requests for r in m.results) / sum(m.fsync_counts):.1f}"
     return [
-        "memory: fenced POST, strict, one new resource per call",
-        str(WORKERS),
-        f"{MEMORY_RESOURCES}",
-        f"{first.rate:.0f}",
-        f"{first.quantile_ms(50):.1f}",
-        f"{first.quantile_ms(99):.1f}",
+        m.name,
+        str(m.connections),
+        f"{m.median(lambda r: r.rate):.0f}",
+        f"{m.median(lambda r: r.p50_ms):.2f}",
+        f"{m.median(lambda r: r.p99_ms):.1f}",
+        ratio(m, peer),
+        ratio(m, ngx),
+        cpu,
+        per_fsync,
+        "; ".join(notes),
+    ]
+
+
+HEAD = [
+    "row",
+    "conns",
+    "calls/s",
+    "p50 ms",
+    "p99 ms",
+    "× peer",
+    "× nginx",
+    "gateway CPU µs/call",
+    "calls/fsync",
+    "notes",
+]
+
+
+def table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(c) + " |" for c in rows]
+    return "\n".join(lines)
+
+
+async def memory_row(root: Path, policy: Path) -> list[str]:
+    """MEMORY_CALLS fenced strict calls over MEMORY_RESOURCES resources on a fresh gateway whose
+    retention keeps the database bounded; RSS after each half, and the peak."""
+    async with gateway_process(root, "memory", policy, "strict") as gateway:
+        assert gateway.proc is not None
+        pid = gateway.proc.pid
+        idle = memory_mib(pid)
+        halves, rss = [], []
+        for _ in range(2):
+            args = (*fenced("/tool/act", "mem/", MEMORY_RESOURCES)()[:4], str(MEMORY_CALLS // 2))
+            halves.append(
+                await wrk.run(
+                    gateway.url,
+                    connections=CONNECTIONS,
+                    seconds=3600,
+                    script="fenced.lua",
+                    args=args,
+                )
+            )
+            rss.append(memory_mib(pid))
+        peak = memory_mib(pid, "VmHWM")
+        db = (
+            sum(p.stat().st_size for p in (root / "memory").glob("bench.db*") if p.is_file())
+            / 2**20
+        )
+    calls = sum(r.requests for r in halves)
+    seconds = sum(r.seconds for r in halves)
+    errors = sum(r.errors for r in halves)
+    note = (
+        f"RSS idle {idle:.0f} MiB, {rss[0]:.0f} after the first half, {rss[1]:.0f} after the "
+        f"second; peak {peak:.0f} MiB; database {db:.0f} MiB at the end"
+    )
+    if errors:
+        note += f"; {errors} errors or non-2xx"
+    return [
+        f"memory: {calls:,} fenced calls (strict) over {MEMORY_RESOURCES:,} resources",
+        str(CONNECTIONS),
+        f"{calls / seconds:.0f}",
+        f"{statistics.median(r.p50_ms for r in halves):.2f}",
+        f"{max(r.p99_ms for r in halves):.1f}",
+        "",
         "",
         "",
         "",
@@ -258,120 +327,31 @@ async def memory_row(session: aiohttp.ClientSession, root: Path, policy: Path) -
     ]
 
 
-def row(scenario: Scenario, baseline: Scenario) -> list[str]:
-    samples = scenario.samples
-    ratios = [s.rate / b.rate for s, b in zip(samples, baseline.samples, strict=True)]
-    calls = sum(s.calls for s in samples)
-    cpu = [s.cpu_s for s in samples if s.cpu_s is not None]
-    synced = [s.fsyncs for s in samples if s.fsyncs is not None]
-    per_fsync = ""
-    if not scenario.fsyncs_here:
-        per_fsync = "in PostgreSQL"
-    elif synced and scenario.gateway is not None:
-        per_fsync = f"{calls / sum(synced):.1f}" if sum(synced) else "no fsync"
-    errors = sum(s.errors for s in samples)
-    return [
-        scenario.name,
-        str(scenario.workers),
-        str(scenario.calls),
-        f"{statistics.median(s.rate for s in samples):.0f}",
-        f"{statistics.median(s.quantile_ms(50) for s in samples):.1f}",
-        f"{statistics.median(s.quantile_ms(99) for s in samples):.1f}",
-        f"{statistics.median(ratios):.2f}",
-        f"{sum(cpu) / calls * 1e6:.0f}" if cpu else "",
-        per_fsync,
-        f"{errors} errors" if errors else "",
-    ]
-
-
-def table(rows: list[list[str]]) -> str:
-    head = [
-        "scenario",
-        "workers",
-        "calls/round",
-        "calls/s",
-        "p50 ms",
-        "p99 ms",
-        "× direct",
-        "gateway CPU µs/call",
-        "calls/fsync",
-        "notes",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(lines)
-
-
-def postgres_scenarios(
-    one: GatewayProcess, pair: list[GatewayProcess], workers: GatewayProcess
-) -> list[Scenario]:
-    """The same fenced POST as the SQLite strict row, on PostgreSQL (strict: the server's
-    synchronous_commit). Two replicas: calls alternate between them; `--workers 2`: one port.
-    Gateway CPU is one process's, so it is left out where there are two."""
-
-    def spread(n: int) -> str:
-        return f"par/r{n % 64}"
-
-    return [
-        Scenario(
-            "fenced POST, PostgreSQL, 1 replica",
-            fenced_post(one.url, spread),
-            one,
-            fsyncs_here=False,
+def bench_policy(root: Path, upstream: str) -> Path:
+    keep = {"retention_s": RETENTION_S}
+    return write_policy(
+        root / "policy.yaml",
+        make_policy(
+            upstream + "/api",
+            [
+                {"match": "par/*", "queue_timeout_s": 30, "idempotency": keep},
+                {"match": "mem/*", "queue_timeout_s": 30, "idempotency": keep},
+                {
+                    "match": "ser/*",
+                    "concurrency": "serial",
+                    "queue_timeout_s": 60,
+                    "idempotency": keep,
+                },
+                {
+                    "match": "lease/*",
+                    "lease": {"issuer": "gateway", "ttl_s": 3600, "max_ttl_s": 3600},
+                    "queue_timeout_s": 30,
+                    "idempotency": keep,
+                },
+            ],
+            max_connections=64,
         ),
-        Scenario(
-            "fenced POST, PostgreSQL, 2 replicas",
-            alternating(*(fenced_post(g.url, spread) for g in pair)),
-        ),
-        Scenario("fenced POST, PostgreSQL, --workers 2", fenced_post(workers.url, spread)),
-        Scenario(
-            "fenced POST, PostgreSQL, 2 replicas, serial, 1 resource",
-            alternating(*(fenced_post(g.url, lambda n: "ser/one") for g in pair)),
-            calls=SERIAL_CALLS,
-        ),
-    ]
-
-
-def scenarios(
-    upstream: str, strict: GatewayProcess, relaxed: GatewayProcess, aged: GatewayProcess
-) -> list[Scenario]:
-    """The rows, baseline first; the concurrency-1 row pairs with the third for group commit."""
-
-    def spread(n: int) -> str:
-        return f"par/r{n % 64}"
-
-    return [
-        Scenario("direct to upstream (baseline)", plain_get(upstream + "/api/x")),
-        Scenario("gateway, unfenced GET", plain_get(strict.url + "/tool/x"), strict),
-        Scenario(
-            "fenced POST, strict, parallel, 64 resources", fenced_post(strict.url, spread), strict
-        ),
-        Scenario(
-            "fenced POST, relaxed, parallel, 64 resources",
-            fenced_post(relaxed.url, spread),
-            relaxed,
-        ),
-        Scenario(
-            "fenced POST, strict, serial, 1 resource",
-            fenced_post(strict.url, lambda n: "ser/one"),
-            strict,
-            calls=SERIAL_CALLS,
-        ),
-        Scenario(
-            "fenced POST, strict, parallel, 1 worker",
-            fenced_post(strict.url, spread),
-            strict,
-            calls=SINGLE_CALLS,
-            workers=1,
-        ),
-        Scenario(
-            f"fenced POST, strict, 64 resources, store holding {AGED_RECEIPTS // 1000}k receipts",
-            fenced_post(aged.url, spread),
-            aged,
-            calls=AGED_CALLS,
-            paused=True,
-        ),
-    ]
+    )
 
 
 async def run() -> str:
@@ -380,70 +360,147 @@ async def run() -> str:
     with tempfile.TemporaryDirectory(prefix="fence-bench-") as tmp:
         root = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            upstream = await stack.enter_async_context(upstream_process())
-            policy = write_policy(
-                root / "policy.yaml",
-                make_policy(
-                    upstream + "/api",
-                    [
-                        {"match": "par/*", "queue_timeout_s": 30},
-                        {"match": "ser/*", "concurrency": "serial", "queue_timeout_s": 60},
-                        {"match": "mem/*", "queue_timeout_s": 30},
-                    ],
-                    max_connections=WORKERS,
-                ),
+            upstream = await stack.enter_async_context(process("tests.bench.upstream"))
+            peer = await stack.enter_async_context(process("tests.bench.peer", upstream))
+            ngx = stack.enter_context(nginx(root / "nginx", int(upstream.rsplit(":", 1)[1])))
+            policy = bench_policy(root, upstream)
+            strict = await stack.enter_async_context(
+                gateway_process(root, "strict", policy, "strict")
             )
-            (root / "aged").mkdir()
-            prefill.completed_receipts(root / "aged" / "bench.db", AGED_RECEIPTS)
-            gateways = [
-                await stack.enter_async_context(gateway_process(root, name, policy, d))
-                for name, d in (("strict", "strict"), ("relaxed", "relaxed"), ("aged", "strict"))
-            ]
-            session = await stack.enter_async_context(
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=WORKERS))
+            relaxed = await stack.enter_async_context(
+                gateway_process(root, "relaxed", policy, "relaxed")
             )
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            leases = await acquire_leases(session, strict.url)
 
-            rows = scenarios(upstream, *gateways)
-            urls = [stack.enter_context(postgres_database()) for _ in range(3)]
-            if all(urls):
-                one = await stack.enter_async_context(
-                    gateway_process(root, "pg1", policy, "strict", GATEWAY_DATABASE_URL=urls[0])
-                )
-                pair = [
-                    await stack.enter_async_context(
-                        gateway_process(
-                            root, f"pg2{i}", policy, "strict", GATEWAY_DATABASE_URL=urls[1]
-                        )
+            hot = fenced("/tool/act", "par/hot", 1)
+            # the baselines: the same requests, to the tool directly, through the peer, nginx
+            base: dict[str, dict[str, Measure]] = {}
+            for kind, script, args, conns in (
+                ("post", "fenced.lua", hot, CONNECTIONS),
+                ("post1", "fenced.lua", hot, 1),
+                ("get", "get.lua", tuple, CONNECTIONS),
+            ):
+                label = {
+                    "post": "POST",
+                    "post1": "POST, 1 connection",
+                    "get": "GET",
+                }[kind]
+                base[kind] = {
+                    "direct": Measure(f"tool directly: {label}", upstream + "/tool/act",
+                                      conns, script, args),
+                    "peer": Measure(f"peer (aiohttp proxy): {label}", peer + "/tool/act",
+                                    conns, script, args),
+                }  # fmt: skip
+                if ngx is not None:
+                    base[kind]["nginx"] = Measure(
+                        f"nginx: {label}", ngx + "/tool/act", conns, script, args
                     )
-                    for i in range(2)
-                ]
-                workers = await stack.enter_async_context(
+
+            def gw(name: str, g: GatewayProcess, conns: int, script: str, args: Any) -> Measure:
+                return Measure(name, g.url + "/tool/act", conns, script, args, g)
+
+            gateway_rows: list[tuple[Measure, str]] = [
+                (gw("gateway: fenced POST, strict, 1 hot resource", strict, CONNECTIONS,
+                    "fenced.lua", hot), "post"),
+                (gw("gateway: fenced POST, strict, 1 hot resource", strict, 1,
+                    "fenced.lua", hot), "post1"),
+                (gw(f"gateway: fenced POST, strict, {SPREAD_RESOURCES:,} resources", strict,
+                    CONNECTIONS, "fenced.lua", fenced("/tool/act", "par/r", SPREAD_RESOURCES)),
+                 "post"),
+                (gw(f"gateway: fenced POST, strict, {LEASES} gateway-issued leases", strict,
+                    CONNECTIONS, "fenced.lua", fenced("/tool/act", "lease/", LEASES, *leases)),
+                 "post"),
+                (gw(f"gateway: serial, strict, {SERIAL_RESOURCES} resources", strict,
+                    CONNECTIONS, "fenced.lua", fenced("/tool/act", "ser/r", SERIAL_RESOURCES)),
+                 "post"),
+                (gw("gateway: serial, strict, 1 resource", strict, CONNECTIONS, "fenced.lua",
+                    fenced("/tool/act", "ser/one", 1)), "post"),
+                (gw("gateway: unfenced GET", strict, CONNECTIONS, "get.lua", tuple), "get"),
+                (gw("gateway: fenced POST, relaxed, 1 hot resource", relaxed, CONNECTIONS,
+                    "fenced.lua", hot), "post"),
+            ]  # fmt: skip
+            overload = gw(
+                f"gateway: fenced POST, strict, 1 hot resource, {OVERLOAD_CONNECTIONS} "
+                "connections, GATEWAY_MAX_INFLIGHT=auto",
+                strict,
+                OVERLOAD_CONNECTIONS,
+                "fenced.lua",
+                hot,
+            )
+            overload.probe = strict.url + "/tool/act"
+            pg_rows: list[Measure] = []
+            pg_one, pg_workers = (stack.enter_context(postgres_database()) for _ in range(2))
+            if pg_one and pg_workers:
+                one = await stack.enter_async_context(
+                    gateway_process(root, "pg1", policy, "strict", GATEWAY_DATABASE_URL=pg_one)
+                )
+                two = await stack.enter_async_context(
                     gateway_process(
                         root,
                         "pgw",
                         policy,
                         "strict",
-                        GATEWAY_DATABASE_URL=urls[2],
+                        GATEWAY_DATABASE_URL=pg_workers,
                         GATEWAY_WORKERS="2",
                     )
                 )
-                rows += postgres_scenarios(one, pair, workers)
-            for scenario in rows:
-                await drive(session, scenario.request, WARMUP_CALLS, scenario.workers)
-                if scenario.paused:
-                    os.kill(scenario.gateway.proc.pid, signal.SIGSTOP)
+                spread = fenced("/tool/act", "par/r", 64)
+                pg_rows = [
+                    gw("gateway on PostgreSQL: fenced POST, 64 resources", one, CONNECTIONS,
+                       "fenced.lua", spread),
+                    gw("gateway on PostgreSQL, --workers 2: fenced POST, 64 resources", two,
+                       CONNECTIONS, "fenced.lua", spread),
+                ]  # fmt: skip
+                pg_rows[0].fsyncs_here = pg_rows[1].fsyncs_here = False
+                pg_rows[1].gateway = None  # its CPU is two processes'
+
+            measures = [m for kinds in base.values() for m in kinds.values()]
+            measures += [m for m, _ in gateway_rows] + [overload, *pg_rows]
+            for m in measures:  # warm-up: connections, caches, the adaptive limit
+                await wrk.run(m.url, connections=m.connections, seconds=1, script=m.script,
+                              args=m.args())  # fmt: skip
             for r in range(ROUNDS):
-                for scenario in rows[r:] + rows[:r]:
-                    scenario.samples.append(await measure(session, scenario, perf))
+                shift = r * len(measures) // ROUNDS
+                for m in measures[shift:] + measures[:shift]:
+                    await measure(session, m, perf)
                 print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
 
-            cells = [row(s, rows[0]) for s in rows]
-            many, one = rows[2].samples, rows[5].samples
-            speedup = statistics.median(m.rate / o.rate for m, o in zip(many, one, strict=True))
-            cells[5][-1] = (
-                f"group commit: 64 workers get {speedup:.1f}× the calls/s of 1 {cells[5][-1]}"
-            ).strip()
-            cells.append(await memory_row(session, root, policy))
+            rows = []
+            for kind in base.values():
+                rows += [cells(m, kind["peer"], kind.get("nginx")) for m in kind.values()]
+            for m, kind in gateway_rows:
+                note = ""
+                if m.connections == 1:
+                    peer1 = base["post1"]["peer"]
+                    added = statistics.median(
+                        a.p50_ms - b.p50_ms for a, b in zip(m.results, peer1.results, strict=True)
+                    )
+                    note = f"p50 {added:+.2f} ms over the peer's"
+                rows.append(cells(m, base[kind]["peer"], base[kind].get("nginx"), note))
+            hot32 = gateway_rows[0][0]
+            shed = sum(r.non_2xx for r in overload.results)
+            total = sum(r.requests for r in overload.results)
+            admitted = [
+                (r.requests - r.non_2xx) / r.seconds / h.rate
+                for r, h in zip(overload.results, hot32.results, strict=True)
+            ]
+            p99_ratio = [
+                p / h.p99_ms for p, h in zip(overload.probe_p99, hot32.results, strict=False)
+            ]
+            note = (
+                f"admitted calls/s {statistics.median(admitted):.2f}× the 32-connection row; "
+                f"{shed / max(total, 1):.0%} shed (503 overloaded); admitted p99 "
+                f"{statistics.median(overload.probe_p99) if overload.probe_p99 else 0:.1f} ms "
+                f"({statistics.median(p99_ratio) if p99_ratio else 0:.1f}× the 32-connection "
+                f"p99), from a probe of {PROBE_CONNECTIONS} connections; "
+                f"RSS {max(overload.rss_mib):.0f} MiB"
+            )
+            overload_cells = cells(overload, base["post"]["peer"], base["post"].get("nginx"))
+            overload_cells[-1] = note  # every 503 counts as non-2xx in wrk: said above
+            rows.append(overload_cells)
+            rows += [cells(m, base["post"]["peer"], base["post"].get("nginx")) for m in pg_rows]
+            rows.append(await memory_row(root, policy))
 
     fsync_note = (
         "calls/fsync: fsync + fdatasync system calls of the gateway process, counted by `perf stat`"
@@ -454,17 +511,26 @@ async def run() -> str:
         [
             f"## fence-gateway bench, {time.strftime('%Y-%m-%d %H:%M')}",
             "",
-            f"Python {platform.python_version()}, {os.cpu_count()} CPUs shared by the load "
-            f"generator, the upstream and the gateway; {ROUNDS} rounds; medians over rounds; "
-            "× direct is the median of the per-round calls/s ratios to the direct call. "
-            "Every call answered 200 unless noted.",
+            f"{platform.machine()}, {os.cpu_count()} CPUs shared by wrk, the tool, the proxies "
+            f"and the gateway; Python {platform.python_version()}; {_loop()}; "
+            f"{ROUNDS} rounds of {SECONDS:g} s per measurement, alternating; medians over "
+            "rounds. × peer and × nginx: the median of per-round calls/s ratios to the same "
+            "request through the peer (a bare aiohttp proxy on uvloop) and nginx.",
             "",
-            table(cells),
+            table(rows),
             "",
             f"{fsync_note}. Gateway CPU: user + system time of the gateway process per call. "
-            f"Run took {time.monotonic() - started:.0f}s.",
+            f"Run took {time.monotonic() - started:.0f} s.",
         ]
     )
+
+
+def _loop() -> str:
+    try:
+        import uvloop
+    except ImportError:
+        return "the gateway on asyncio's loop (uvloop not installed)"
+    return f"the gateway and the peer on uvloop {uvloop.__version__}"
 
 
 def main() -> None:
