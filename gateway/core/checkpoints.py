@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from gateway.core import fences
+from gateway.core import fences, floors
+from gateway.core.canonical_json import canonical_json
 from gateway.core.fences import Issuer, LeaseView
 from gateway.core.receipts import ReceiptStatus, ReconcileWaits, may_resolve
 from gateway.core.times import rfc3339
@@ -103,12 +104,8 @@ def encoded_state(state: Any) -> str:
 
 
 def same_state(a: str, b: str) -> bool:
-    """Whether two encoded states are equal as JSON, key order aside."""
-    return _canonical(json.loads(a)) == _canonical(json.loads(b))
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    """Whether two encoded states are equal as JSON, key order aside (RFC 8785)."""
+    return canonical_json(json.loads(a)) == canonical_json(json.loads(b))
 
 
 def is_retry(latest: Checkpoint | None, new: NewCheckpoint, owner: str | None) -> bool:
@@ -187,6 +184,13 @@ class Append:
     seq: int
     owner: str | None
 
+    def checkpoint(self, new: NewCheckpoint, at: float, mark: str) -> Checkpoint:
+        """The checkpoint to append, written at `at` (the store's clock) with `mark`, its
+        place in receipt-id order."""
+        return Checkpoint(
+            new.resource, self.seq, new.fence, self.owner, new.client, new.step, new.state, at, mark
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Retry:
@@ -208,26 +212,25 @@ WriteDecision = Append | Retry | Refuse
 def decide_write(
     issuer: Issuer,
     new: NewCheckpoint,
-    issued: int,
-    accepted: int,
+    row: floors.FenceRow,
+    known: floors.Floors,
     lease: LeaseView | None,
     latest: Checkpoint | None,
     clients_configured: bool,
-    bound: fences.Bound = fences.NO_BOUND,
 ) -> WriteDecision:
-    """§3 step 4 for the checkpoint's fence, then retry or append. A checkpoint moves no
-    fence; `seq` counts on from the latest, which retention never deletes, so it is never
-    reused. `bound`: what a restore's floor and an admin's raises add (§18), as for a call."""
+    """§3 step 4 for the checkpoint's fence, with the floors a restore and an admin's raises
+    add (§18) as for a call; then retry or append. A checkpoint moves no fence; `seq` counts
+    on from the latest, which retention never deletes, so it is never reused."""
     code, owner = fences.check(
         issuer,
         new.fence,
-        issued,
-        accepted,
+        row.issued,
+        floors.accepted(known, new.resource, row),
         lease,
         new.owner,
         new.client,
         clients_configured,
-        bound,
+        floors.bound(known, new.resource, issuer, row),
     )
     if code is not None:
         return Refuse(code)

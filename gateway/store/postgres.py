@@ -1117,28 +1117,17 @@ class PostgresStore:
             decision = checkpoints.decide_write(
                 issuer,
                 new,
-                fence_row.issued,
-                floors.accepted(known, new.resource, fence_row),
+                fence_row,
+                known,
                 current.view(now) if current else None,
                 latest,
                 clients_configured,
-                floors.bound(known, new.resource, issuer, fence_row),
             )
             if isinstance(decision, checkpoints.Refuse):
                 return CheckpointRefused(decision.code)
             if isinstance(decision, checkpoints.Retry):
                 return CheckpointWritten(decision.latest, created=False)
-            written = Checkpoint(
-                new.resource,
-                decision.seq,
-                new.fence,
-                decision.owner,
-                new.client,
-                new.step,
-                new.state,
-                now,
-                mark=self._new_id(now),
-            )
+            written = decision.checkpoint(new, now, mark=self._new_id(now))
             if latest is not None:
                 await conn.execute(cp.retire_checkpoint(_dollar), latest.resource, latest.seq)
             await conn.execute(

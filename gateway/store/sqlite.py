@@ -863,30 +863,14 @@ class SqliteStore:
         row = conn.execute(cp.latest_checkpoint(_q), (new.resource,)).fetchone()
         latest = cp.checkpoint_of(row) if row else None
         decision = checkpoints.decide_write(
-            issuer,
-            new,
-            fence_row.issued,
-            floors.accepted(known, new.resource, fence_row),
-            current.view(now) if current else None,
-            latest,
-            clients,
-            floors.bound(known, new.resource, issuer, fence_row),
+            issuer, new, fence_row, known, current.view(now) if current else None, latest, clients
         )
         if isinstance(decision, checkpoints.Refuse):
             return CheckpointRefused(decision.code)
         if isinstance(decision, checkpoints.Retry):
             return CheckpointWritten(decision.latest, created=False)
-        written = Checkpoint(
-            new.resource,
-            decision.seq,
-            new.fence,
-            decision.owner,
-            new.client,
-            new.step,
-            new.state,
-            now,
-            mark=self._new_id(now),  # in the writer thread, as every receipt id
-        )
+        # the mark in the writer thread, as every receipt id
+        written = decision.checkpoint(new, now, mark=self._new_id(now))
         if latest is not None:
             conn.execute(cp.retire_checkpoint(_q), (latest.resource, latest.seq))
         conn.execute(cp.insert_checkpoint(_q), (*_checkpoint_values(written), new.retention_s))

@@ -23,6 +23,7 @@ from gateway.core.checkpoints import (
     run_state,
 )
 from gateway.core.fences import LeaseView
+from gateway.core.floors import FenceRow, Floors
 from gateway.core.receipts import RECEIPT_STATUSES, ReconcileWaits
 
 WAITS = ReconcileWaits({"tool": 10.0}, default=30.0)
@@ -75,19 +76,25 @@ class TestTheState:
 
 class TestWriteDecision:
     def test_the_owner_appends_after_the_latest(self) -> None:
-        assert decide_write("gateway", new(), 3, 3, LIVE, None, False) == Append(1, "run-a")
+        assert decide_write(
+            "gateway", new(), FenceRow(3, 3), Floors(), LIVE, None, False
+        ) == Append(1, "run-a")
         latest = stored(4)
-        assert decide_write("gateway", new(state=2), 3, 3, LIVE, latest, False) == Append(
-            5, "run-a"
-        )
+        assert decide_write(
+            "gateway", new(state=2), FenceRow(3, 3), Floors(), LIVE, latest, False
+        ) == Append(5, "run-a")
 
     def test_an_identical_retry_of_the_latest_appends_nothing(self) -> None:
         latest = stored(4, state={"a": 1, "b": 2})
         retry = new(state={"b": 2, "a": 1})
-        assert decide_write("gateway", retry, 3, 3, LIVE, latest, False) == Retry(latest)
+        assert decide_write(
+            "gateway", retry, FenceRow(3, 3), Floors(), LIVE, latest, False
+        ) == Retry(latest)
         # X-Lease-Owner sent or not, the recorded owner is the lease's
         named = new(state={"a": 1, "b": 2}, owner="run-a")
-        assert decide_write("gateway", named, 3, 3, LIVE, latest, False) == Retry(latest)
+        assert decide_write(
+            "gateway", named, FenceRow(3, 3), Floors(), LIVE, latest, False
+        ) == Retry(latest)
 
     @pytest.mark.parametrize(
         "change",
@@ -97,15 +104,21 @@ class TestWriteDecision:
         latest = stored(4, state={"a": 1, "b": 1})
         fields = {"step": "s", "state": {"a": 1, "b": 1}, **change}
         candidate = new(step=str(fields["step"]), state=fields["state"])
-        assert decide_write("gateway", candidate, 3, 3, LIVE, latest, False) == Append(5, "run-a")
+        assert decide_write(
+            "gateway", candidate, FenceRow(3, 3), Floors(), LIVE, latest, False
+        ) == Append(5, "run-a")
 
     def test_an_external_fence_keeps_the_owner_as_presented(self) -> None:
         latest = stored(1, fence=3, owner=None)
-        assert decide_write("external", new(owner="w"), 0, 3, None, latest, False) == Append(2, "w")
-        assert decide_write("external", new(), 0, 3, None, latest, False) == Retry(latest)
-        assert decide_write("external", new(fence=2), 0, 3, None, latest, False) == Refuse(
-            "stale_fence"
-        )
+        assert decide_write(
+            "external", new(owner="w"), FenceRow(0, 3), Floors(), None, latest, False
+        ) == Append(2, "w")
+        assert decide_write(
+            "external", new(), FenceRow(0, 3), Floors(), None, latest, False
+        ) == Retry(latest)
+        assert decide_write(
+            "external", new(fence=2), FenceRow(0, 3), Floors(), None, latest, False
+        ) == Refuse("stale_fence")
 
     @pytest.mark.parametrize(
         ("fence", "lease", "owner", "code"),
@@ -118,7 +131,9 @@ class TestWriteDecision:
     )
     def test_the_fence_check_of_a_call(self, fence, lease, owner, code) -> None:
         candidate = new(fence=fence, owner=owner)
-        assert decide_write("gateway", candidate, 3, 3, lease, None, False) == Refuse(code)
+        assert decide_write(
+            "gateway", candidate, FenceRow(3, 3), Floors(), lease, None, False
+        ) == Refuse(code)
 
 
 class TestRunView:
