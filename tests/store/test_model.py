@@ -1255,7 +1255,7 @@ async def _pg_reset(url: str) -> Any:
 # ------------------------------------------------------------------------------------------
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=25,
     stateful_step_count=50,
     deadline=None,
     database=None,  # nothing written into the working tree
