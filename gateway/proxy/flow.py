@@ -16,6 +16,7 @@ from typing import Any
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core.mcp import McpRecord
 from gateway.core.receipts import Kind
+from gateway.proxy import headers
 from gateway.store.base import Admitted, Call, Rejection
 
 
@@ -62,6 +63,48 @@ class Flow:
             kind=self.kind,
             mcp=self.mcp,
         )
+
+    def admission(
+        self,
+        rule: ResourceRule,
+        key: str | None,
+        fingerprint: str | None,
+        retry_statuses: frozenset[int],
+        clients_configured: bool,
+    ) -> Call:
+        """What admission is asked for this flow, once its resource and fence are read and
+        `rule` governs it; kept as `call`. A session is never serial: it holds no turn."""
+        assert self.upstream is not None and self.fence is not None
+        self.call = Call(
+            resource=self.resource or "",
+            fence=self.fence,
+            owner=self.owner,
+            client=self.client,
+            upstream=self.upstream.name,
+            method=self.method,
+            path=self.rest,
+            issuer=rule.lease.issuer,
+            idempotency_key=key,
+            fingerprint=fingerprint,
+            retry_statuses=retry_statuses,
+            retention_s=rule.idempotency.retention_s,
+            clients_configured=clients_configured,
+            serial=self.kind == "call" and rule.concurrency == "serial",
+            kind=self.kind,
+            mcp=self.mcp,
+        )
+        return self.call
+
+    def answer_headers(self, receipt_id: str) -> dict[str, str]:
+        """What the client is told about its admitted call, answered or replayed
+        (docs/contract.md §3, "Answered to the client")."""
+        assert self.call is not None and self.call.idempotency_key is not None
+        return {
+            headers.RECEIPT_HEADER: receipt_id,
+            headers.REQUEST_ID_HEADER: self.request_id,
+            headers.IDEMPOTENCY_HEADER: self.call.idempotency_key,
+            headers.FENCE_HEADER: str(self.call.fence),
+        }
 
     def log_fields(self) -> dict[str, object]:
         return {

@@ -89,7 +89,7 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
 
 async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
     app = request.app
-    async with _checked(request, flow, upstream) as (call, key, body, place):
+    async with _checked(request, flow, upstream) as (call, body, place):
         if request.transport is None or request.transport.is_closing():
             # nobody hears the answer: the call is not admitted, so nothing is forwarded
             raise errors.InvalidRequest("the client went away before admission")
@@ -97,9 +97,9 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
         if isinstance(result, Refused):
             raise checks.error_for(result)
         if isinstance(result, Replayed):
-            return await _replay(request, flow, call, key, result)
+            return await _replay(request, flow, result)
         flow.admitted = result
-        answer_headers = _answer_headers(result.receipt_id, flow, key, call)
+        answer_headers = flow.answer_headers(result.receipt_id)
         async with forward(app, flow, place, _body_or_none(request, body), request) as exchange:
             if not exchange.recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
@@ -125,7 +125,7 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
 @asynccontextmanager
 async def _checked(
     request: web.Request, flow: Flow, upstream: Upstream
-) -> AsyncIterator[tuple[Call, str, bytes, Place]]:
+) -> AsyncIterator[tuple[Call, bytes, Place]]:
     """Steps 1 to 3c: the headers, the body and the signature, then the turn in the
     resource's place. A refusal here, once resource and fence are readable, is kept as a
     `rejected` receipt; the place is held until the call's outcome is recorded."""
@@ -144,37 +144,25 @@ async def _checked(
     except errors.GatewayError as error:
         await checks.keep_rejection(request, flow, error)
         raise
-    resource, fence = flow.resource or "", flow.fence
+    resource = flow.resource or ""
     key = client_key or _make_key(rule, resource, flow.method, flow.request_target, body)
-    call = Call(
-        resource=resource,
-        fence=fence,
-        owner=flow.owner,
-        client=flow.client,
-        upstream=upstream.name,
-        method=flow.method,
-        path=flow.rest,
-        issuer=rule.lease.issuer,
-        idempotency_key=key,
-        fingerprint=idempotency.fingerprint(flow.method, flow.request_target, body),
-        retry_statuses=rule.idempotency.retry_statuses,
-        retention_s=rule.idempotency.retention_s,
-        clients_configured=app[appkeys.CLIENTS] is not None,
-        serial=rule.concurrency == "serial",
+    call = flow.admission(
+        rule,
+        key,
+        idempotency.fingerprint(flow.method, flow.request_target, body),
+        rule.idempotency.retry_statuses,
+        app[appkeys.CLIENTS] is not None,
     )
-    flow.call = call
     async with app[appkeys.LANES].join(resource) as place:
         try:
             await take_turn(rule, resource, place)
         except errors.GatewayError as error:
             await checks.keep_rejection(request, flow, error)
             raise
-        yield call, key, body, place
+        yield call, body, place
 
 
-async def _replay(
-    request: web.Request, flow: Flow, call: Call, key: str, replayed: Replayed
-) -> web.StreamResponse:
+async def _replay(request: web.Request, flow: Flow, replayed: Replayed) -> web.StreamResponse:
     """The stored answer, as the tool gave it, marked as a replay."""
     flow.replayed = True
     head = Head(replayed.status, replayed.headers, replayed.body, complete=True, broken=False)
@@ -182,22 +170,11 @@ async def _replay(
         request,
         _discovery_rewritten(request, flow, flow.upstream, head),
         None,
-        {"Idempotent-Replayed": "true", **_answer_headers(replayed.receipt_id, flow, key, call)},
+        {"Idempotent-Replayed": "true", **flow.answer_headers(replayed.receipt_id)},
         # a stored answer is small (replay_max_bytes): the body timeout is ample to send it
         deadline=asyncio.get_running_loop().time() + request.app[appkeys.SETTINGS].body_timeout_s,
     )
     return response
-
-
-def _answer_headers(receipt_id: str, flow: Flow, key: str, call: Call) -> dict[str, str]:
-    """What the client is told about its admitted call, answered or replayed
-    (docs/contract.md §3, "Answered to the client")."""
-    return {
-        headers.RECEIPT_HEADER: receipt_id,
-        headers.REQUEST_ID_HEADER: flow.request_id,
-        headers.IDEMPOTENCY_HEADER: key,
-        headers.FENCE_HEADER: str(call.fence),
-    }
 
 
 def _discovery_rewritten(

@@ -39,7 +39,7 @@ from gateway.proxy.relay import (
     upstream_headers,
 )
 from gateway.proxy.upstream import UpstreamFailure
-from gateway.store.base import Call, Refused, Replayed
+from gateway.store.base import Refused, Replayed
 
 _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 # An MCP server answers a tool call with a 4xx only when it refused the message before running
@@ -180,30 +180,19 @@ async def _fenced(
     except errors.GatewayError as error:
         await checks.keep_rejection(request, flow, error, lease)
         raise
-    resource, fence = flow.resource or "", flow.fence
+    resource = flow.resource or ""
     key = client_key or (
         idempotency.random_key()
         if rule.idempotency.key == "random"
         else jsonrpc.derived_key(resource, call)
     )
-    admission = Call(
-        resource=resource,
-        fence=fence,
-        owner=flow.owner,
-        client=flow.client,
-        upstream=upstream.name,
-        method=flow.method,
-        path=flow.rest,
-        issuer=rule.lease.issuer,
-        idempotency_key=key,
-        fingerprint=jsonrpc.fingerprint(flow.request_target, call),
-        retry_statuses=rule.idempotency.retry_statuses | _REFUSED_UNRUN,
-        retention_s=rule.idempotency.retention_s,
-        clients_configured=app[appkeys.CLIENTS] is not None,
-        serial=rule.concurrency == "serial",
-        mcp=flow.mcp,
+    admission = flow.admission(
+        rule,
+        key,
+        jsonrpc.fingerprint(flow.request_target, call),
+        rule.idempotency.retry_statuses | _REFUSED_UNRUN,
+        app[appkeys.CLIENTS] is not None,
     )
-    flow.call = admission
     async with app[appkeys.LANES].join(resource) as place:
         try:
             await take_turn(rule, resource, place)
@@ -215,12 +204,7 @@ async def _fenced(
         result = await admit(app, admission, place)
         if isinstance(result, Refused):
             raise checks.error_for(result)
-        told = {
-            headers.RECEIPT_HEADER: result.receipt_id,
-            headers.REQUEST_ID_HEADER: flow.request_id,
-            headers.IDEMPOTENCY_HEADER: key,
-            headers.FENCE_HEADER: str(fence),
-        }
+        told = flow.answer_headers(result.receipt_id)
         if isinstance(result, Replayed):
             return await _replay(request, flow, call, result, told)
         flow.admitted = result

@@ -225,23 +225,8 @@ async def _checked(
     except errors.GatewayError as error:
         await checks.keep_rejection(request, flow, error)
         raise
-    call = Call(
-        resource=flow.resource or "",
-        fence=flow.fence,
-        owner=flow.owner,
-        client=flow.client,
-        upstream=upstream.name,
-        method="GET",
-        path=flow.rest,
-        issuer=rule.lease.issuer,
-        idempotency_key=None,
-        fingerprint=None,
-        retry_statuses=frozenset(),
-        retention_s=rule.idempotency.retention_s,
-        clients_configured=app[appkeys.CLIENTS] is not None,
-        kind="session",
-    )
-    flow.call = call
+    # a session is never replayed and takes no key (docs/contract.md §15)
+    call = flow.admission(rule, None, None, frozenset(), app[appkeys.CLIENTS] is not None)
     async with app[appkeys.LANES].join(call.resource) as place:
         try:
             await take_turn(rule, call.resource, place)

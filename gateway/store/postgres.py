@@ -72,6 +72,7 @@ from gateway.store.rows import (
     KEY_STATE_COLUMNS,
     KEY_STATE_SELECT,
     RECEIPT_SELECT,
+    REJECTED_COLUMNS,
     SETTLED_SQL,
     count_by_upstream,
     key_state,
@@ -83,6 +84,7 @@ from gateway.store.rows import (
     owed_cleanup_rows,
     receipt_list,
     receipt_of,
+    rejected_values,
     replayed_of,
     resolution_json,
     session_json,
@@ -172,9 +174,7 @@ _KEY_STATE = (
 _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resource = {resource}"
 
 _INSERT_REJECTED = (
-    "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-    "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-    "completed_at, instance, kind, mcp) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
+    f"INSERT INTO receipts ({REJECTED_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
     f"'rejected', $11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14, "
     "$15, $16)"
 )
@@ -577,24 +577,7 @@ class PostgresStore:
         fingerprint: str | None = None,
     ) -> tuple[Any, ...]:
         """`_INSERT_REJECTED`'s parameters; `now` None: the database's time."""
-        return (
-            receipt_id,
-            rejection.resource,
-            rejection.fence,
-            rejection.owner,
-            rejection.client,
-            rejection.upstream,
-            rejection.method,
-            rejection.path,
-            key,
-            fingerprint,
-            rejection.http_status,
-            rejection.code,
-            now,
-            self.instance,
-            rejection.kind,
-            mcp_json(rejection.mcp),
-        )
+        return rejected_values(receipt_id, rejection, key, fingerprint, now, self.instance)
 
     async def reject(self, rejection: Rejection) -> str:
         """One statement: nothing is decided."""

@@ -21,7 +21,7 @@ from gateway.core.outcomes import Outcome
 from gateway.core.receipts import SETTLED, ReconcileWaits, Resolution, is_lost
 from gateway.core.sessions import SessionRecord
 from gateway.core.times import rfc3339
-from gateway.store.base import CleanupDelay, Receipt, ReceiptQuery, Replayed
+from gateway.store.base import CleanupDelay, Receipt, ReceiptQuery, Rejection, Replayed
 
 RECEIPT_COLUMNS = (
     "id",
@@ -146,6 +146,43 @@ def session_json(record: SessionRecord | None) -> str | None:
 def mcp_json(record: McpRecord | None) -> str | None:
     """A receipt's `mcp` column (docs/contract.md §16)."""
     return json.dumps(record.to_json()) if record is not None else None
+
+
+REJECTED_COLUMNS = (
+    "id, resource, fence, owner, client, upstream, method, path, idempotency_key, "
+    "fingerprint, status, http_status, reject_code, created_at, completed_at, instance, kind, mcp"
+)
+"""What a `rejected` receipt is written with; `rejected_values` gives its parameters, the
+status being 'rejected' and `completed_at` its `created_at` (the 13th parameter twice)."""
+
+
+def rejected_values(
+    receipt_id: str,
+    rejection: Rejection,
+    key: str | None,
+    fingerprint: str | None,
+    now: float | None,
+    instance: str,
+) -> tuple[Any, ...]:
+    """The 16 parameters of a `rejected` receipt's insert (`REJECTED_COLUMNS`)."""
+    return (
+        receipt_id,
+        rejection.resource,
+        rejection.fence,
+        rejection.owner,
+        rejection.client,
+        rejection.upstream,
+        rejection.method,
+        rejection.path,
+        key,
+        fingerprint,
+        rejection.http_status,
+        rejection.code,
+        now,
+        instance,
+        rejection.kind,
+        mcp_json(rejection.mcp),
+    )
 
 
 def outcome_columns(outcome: Outcome) -> tuple[str | None, bytes | None, str | None]:

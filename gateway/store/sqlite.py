@@ -59,6 +59,7 @@ from gateway.store.ids import MonotonicUlid
 from gateway.store.rows import (
     KEY_STATE_SELECT,
     RECEIPT_SELECT,
+    REJECTED_COLUMNS,
     SETTLED_SQL,
     count_by_upstream,
     key_state,
@@ -70,6 +71,7 @@ from gateway.store.rows import (
     owed_cleanup_rows,
     receipt_list,
     receipt_of,
+    rejected_values,
     replayed_of,
     resolution_json,
     session_json,
@@ -378,29 +380,9 @@ class SqliteStore:
     ) -> str:
         receipt_id = self._new_id(now)
         conn.execute(
-            "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-            "idempotency_key, fingerprint, status, http_status, reject_code, created_at, "
-            "completed_at, instance, kind, mcp) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'rejected', ?, ?, ?, ?, ?, ?, ?)",
-            (
-                receipt_id,
-                rejection.resource,
-                rejection.fence,
-                rejection.owner,
-                rejection.client,
-                rejection.upstream,
-                rejection.method,
-                rejection.path,
-                key,
-                fingerprint,
-                rejection.http_status,
-                rejection.code,
-                now,
-                now,
-                self.instance,
-                rejection.kind,
-                mcp_json(rejection.mcp),
-            ),
+            f"INSERT INTO receipts ({REJECTED_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, "
+            "?9, ?10, 'rejected', ?11, ?12, ?13, ?13, ?14, ?15, ?16)",
+            rejected_values(receipt_id, rejection, key, fingerprint, now, self.instance),
         )
         return receipt_id
 
