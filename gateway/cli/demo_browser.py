@@ -96,12 +96,25 @@ class Cdp:
             elif answer.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                 raise SessionClosed(self.ws.close_code, "connection closed")
 
+    async def evaluate(self, session: str, expression: str) -> Any:
+        """The value of `expression` in the tab; a script that threw fails the demo."""
+        answer = await self.call("Runtime.evaluate", {"expression": expression}, session)
+        if "exceptionDetails" in answer:
+            raise DemoFailed(f"{expression!r} threw in the page: {answer['exceptionDetails']}")
+        return answer.get("result", {}).get("value")
+
     async def click(self, session: str, who: str) -> None:
-        await self.call(
-            "Runtime.evaluate",
-            {"expression": f"window.who = {who!r}; document.getElementById('buy').click()"},
-            session,
+        await self.evaluate(
+            session, f"window.who = {who!r}; document.getElementById('buy').click()"
         )
+
+    async def wait_for_button(self, session: str) -> None:
+        """Until the shop page (not the blank page a new tab starts with) has its button."""
+        for _ in range(500):
+            if await self.evaluate(session, "document.getElementById('buy') !== null"):
+                return
+            await asyncio.sleep(0.02)
+        raise DemoFailed("the shop page did not load in the tab")
 
 
 def find_chromium() -> str | None:
@@ -195,7 +208,7 @@ async def _connect(gw: GatewayClient, lease: Lease) -> Cdp:
 
 
 async def _clicked(clicks: list[str], count: int) -> None:
-    for _ in range(300):
+    for _ in range(1000):  # ten seconds: a busy machine delays the page's fetch
         if len(clicks) >= count:
             return
         await asyncio.sleep(0.01)
@@ -212,11 +225,9 @@ async def _race(gw: GatewayClient, shop: str, clicks: list[str], say: Timeline) 
         tab = (await cdp_a.call("Target.attachToTarget", {"targetId": target, "flatten": True}))[
             "sessionId"
         ]
-        for _ in range(200):  # the page has loaded
-            state = await cdp_a.call("Runtime.evaluate", {"expression": "document.readyState"}, tab)
-            if state.get("result", {}).get("value") == "complete":
-                break
-            await asyncio.sleep(0.02)
+        # A new tab first holds a blank page whose readyState is already "complete"; clicking
+        # there would find no button, so wait for the shop's own.
+        await cdp_a.wait_for_button(tab)
         await cdp_a.click(tab, "A")
         await _clicked(clicks, 1)
         say("A", f'opened the shop in a tab and clicked "buy": the page saw {clicks[-1]!r}')
