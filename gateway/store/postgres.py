@@ -289,6 +289,15 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# The connection went away under a statement (a killed backend, a failover): whether the
+# statement committed is unknown to this replica.
+_LOST_CONNECTION: tuple[type[BaseException], ...] = (
+    *_CONNECTION_ERRORS,
+    asyncpg.PostgresConnectionError,
+    asyncpg.AdminShutdownError,
+)
+
+
 def _database_errors() -> tuple[type[BaseException], ...]:
     return (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 
@@ -592,6 +601,18 @@ class PostgresStore:
     # -- outcomes (§3, "Outcome") -------------------------------------------------------------
 
     async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
+        """Record a call's outcome. A connection lost under the write leaves unknown whether
+        it committed; asking again is safe (a receipt takes one outcome, and a second
+        asking finds it `unchanged`), so it is asked once more on a fresh connection rather
+        than leaving the call `outcome_unknown`."""
+        try:
+            return await self._complete(receipt_id, outcome)
+        except StoreUnavailable as exc:
+            if not isinstance(exc.__cause__, _LOST_CONNECTION):
+                raise
+            return await self._complete(receipt_id, outcome)
+
+    async def _complete(self, receipt_id: str, outcome: Outcome) -> Completion:
         """A `pending` receipt (the usual case) takes its outcome in one conditional
         statement: one round trip (three in `relaxed` mode, for its `SET LOCAL`). Anything
         else locks the receipt and asks `gateway.core.outcomes`: four."""
@@ -610,7 +631,7 @@ class PostgresStore:
         if recorded:
             return completion
         return await self._tx(
-            lambda conn: self._complete(conn, receipt_id, outcome, stored), relaxed=True
+            lambda conn: self._complete_locked(conn, receipt_id, outcome, stored), relaxed=True
         )
 
     @staticmethod
@@ -634,7 +655,7 @@ class PostgresStore:
         late = completion is Completion.LATE
         return (*stored, late, outcomes.settles_key(completion, outcome.status))
 
-    async def _complete(
+    async def _complete_locked(
         self, conn: Any, receipt_id: str, outcome: Outcome, stored: tuple[Any, ...]
     ) -> Completion:
         row = await conn.fetchrow(

@@ -270,3 +270,41 @@ class TestInstances:
             assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
         finally:
             await store.close()
+
+
+class TestAConnectionLostUnderAnOutcome:
+    """A killed connection leaves a write's fate unknown to the replica; recording an outcome
+    is safe to ask again (a receipt takes one outcome), so it is asked once more on a fresh
+    connection instead of leaving the call `outcome_unknown`."""
+
+    async def test_the_outcome_is_written_on_a_fresh_connection(self, tmp_path: Path) -> None:
+        [store] = await replicas(tmp_path, 1)
+        blocker = await asyncpg.connect(pg_database(tmp_path))
+        try:
+            admitted = await store.admit(call(1))
+            assert isinstance(admitted, Admitted)
+            # Hold the receipt's row so that the outcome's statement waits on it, then kill
+            # the backend that waits: the statement dies in flight, as in a failover.
+            await blocker.execute("BEGIN")
+            await blocker.execute(
+                "SELECT 1 FROM receipts WHERE id = $1 FOR UPDATE", admitted.receipt_id
+            )
+            writing = asyncio.create_task(store.complete(admitted.receipt_id, ok()))
+            waiting = None
+            for _ in range(500):
+                waiting = await blocker.fetchval(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+                if waiting is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert waiting is not None, "the outcome's statement never waited on the row"
+            assert await blocker.fetchval("SELECT pg_terminate_backend($1)", waiting)
+            await asyncio.sleep(0.2)  # the write is retried, and waits on the row again
+            await blocker.execute("ROLLBACK")
+            assert await asyncio.wait_for(writing, 10) == "recorded"
+            assert (await store.get_receipt(admitted.receipt_id)).status == "succeeded"
+        finally:
+            await blocker.close()
+            await store.close()
