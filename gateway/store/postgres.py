@@ -15,6 +15,7 @@ read-decide-write is atomic across replicas. Steps about one receipt lock the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -421,12 +422,20 @@ class PostgresStore:
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[Any]:
         """A pooled connection; one that failed below SQL is closed, and the pool opens a
-        fresh one when next asked (so a replica reconnects by itself after an outage)."""
-        async with self._pool_or_fail().acquire() as conn:
+        fresh one when next asked (so a replica reconnects by itself after an outage).
+
+        A connection lost usually means the server restarted or cut all of this replica's
+        connections: the idle ones in the pool are then dead too, and asyncpg can hand one
+        out in a confused protocol state (`InternalClientError`), so all are replaced."""
+        pool = self._pool_or_fail()
+        async with pool.acquire() as conn:
             try:
                 yield conn
-            except _CONNECTION_ERRORS:
-                conn.terminate()
+            except _LOST_CONNECTION:
+                # asyncpg has already let go of a connection it saw close
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    conn.terminate()
+                await pool.expire_connections()
                 raise
 
     async def _tx(self, op: Callable[[Any], Awaitable[T]], *, relaxed: bool = False) -> T:

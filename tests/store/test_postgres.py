@@ -277,14 +277,20 @@ class TestAConnectionLostUnderAnOutcome:
     is safe to ask again (a receipt takes one outcome), so it is asked once more on a fresh
     connection instead of leaving the call `outcome_unknown`."""
 
-    async def test_the_outcome_is_written_on_a_fresh_connection(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("cut", ["the writer's connection", "every connection"])
+    async def test_the_outcome_is_written_on_a_fresh_connection(
+        self, tmp_path: Path, cut: str
+    ) -> None:
         [store] = await replicas(tmp_path, 1)
         blocker = await asyncpg.connect(pg_database(tmp_path))
         try:
+            # Several idle connections in the pool: a failover cuts them all.
+            await asyncio.gather(*(store.get_receipt("none") for _ in range(4)))
             admitted = await store.admit(call(1))
             assert isinstance(admitted, Admitted)
             # Hold the receipt's row so that the outcome's statement waits on it, then kill
-            # the backend that waits: the statement dies in flight, as in a failover.
+            # the backend that waits (and, in a failover, its idle peers too): the statement
+            # dies in flight.
             await blocker.execute("BEGIN")
             await blocker.execute(
                 "SELECT 1 FROM receipts WHERE id = $1 FOR UPDATE", admitted.receipt_id
@@ -300,8 +306,17 @@ class TestAConnectionLostUnderAnOutcome:
                     break
                 await asyncio.sleep(0.01)
             assert waiting is not None, "the outcome's statement never waited on the row"
-            assert await blocker.fetchval("SELECT pg_terminate_backend($1)", waiting)
-            await asyncio.sleep(0.2)  # the write is retried, and waits on the row again
+            victims = (
+                "SELECT $1::int"
+                if cut == "the writer's connection"
+                else "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND $1::int > 0"
+            )
+            killed = await blocker.fetch(
+                f"SELECT pg_terminate_backend(pid) FROM ({victims}) AS v(pid)", waiting
+            )
+            assert killed and all(row[0] for row in killed)
+            await asyncio.sleep(0.2)  # the write is asked again, and waits on the row again
             await blocker.execute("ROLLBACK")
             assert await asyncio.wait_for(writing, 10) == "recorded"
             assert (await store.get_receipt(admitted.receipt_id)).status == "succeeded"
