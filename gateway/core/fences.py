@@ -97,8 +97,3 @@ def recorded_owner(presented: str | None, fence: int, lease: LeaseView | None) -
     if lease is not None and lease.fence == fence:
         return lease.owner
     return presented
-
-
-def next_fence(issued: int, accepted: int) -> int:
-    """An acquire's fence: above every fence issued or accepted, never reused (§6)."""
-    return max(issued, accepted) + 1

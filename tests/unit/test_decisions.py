@@ -106,11 +106,6 @@ class TestFenceFacts:
         assert fences.recorded_owner("claimed", 4, lease) == "claimed"
         assert fences.recorded_owner(None, 5, None) is None
 
-    def test_a_new_fence_is_above_every_issued_and_accepted_one(self) -> None:
-        assert fences.next_fence(0, 0) == 1
-        assert fences.next_fence(3, 9) == 10
-        assert fences.next_fence(9, 3) == 10
-
 
 def lease(
     state: leases.LeaseState = "held",

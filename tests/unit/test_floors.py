@@ -66,7 +66,11 @@ class TestGatewayIssued:
         assert floors.next_fence(RESTORED, "g/1", FenceRow(issued=5, accepted=5)) == 1_000_005
         above = FenceRow(issued=2_000_000, accepted=2_000_000)
         assert floors.next_fence(RESTORED, "g/1", above) == 2_000_001
-        assert floors.next_fence(Floors(), "g/1", FenceRow(issued=5, accepted=3)) == 6
+
+    def test_without_floors_a_new_fence_is_above_every_issued_and_accepted_one(self) -> None:
+        assert floors.next_fence(Floors(), "g/1", FenceRow(issued=0, accepted=0)) == 1
+        assert floors.next_fence(Floors(), "g/1", FenceRow(issued=3, accepted=9)) == 10
+        assert floors.next_fence(Floors(), "g/1", FenceRow(issued=9, accepted=3)) == 10
 
     def test_a_raise_fences_out_the_current_lease_and_the_next_acquire_issues_above(
         self,
