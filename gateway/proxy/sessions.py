@@ -279,7 +279,12 @@ async def _open(
     forwarded_at = time.time()
     try:
         upstream_ws = await app[appkeys.UPSTREAMS].open_websocket(
-            upstream, flow.rest, sent, _protocols(request), deadline
+            upstream,
+            flow.rest,
+            sent,
+            _protocols(request),
+            deadline,
+            may_send=lambda: store.may_forward(admitted.instance),
         )
     except UpgradeRefused as refused:
         app[appkeys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)

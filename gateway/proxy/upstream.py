@@ -216,11 +216,9 @@ class Upstreams:
         ws_trace.on_connection_create_end.append(_on_ws_connection)
         ws_trace.on_request_end.append(_on_ws_answer)
         for name, upstream in self._config.items():
-            self._sessions[name] = _client_session(upstream, _CallConnector, [])
+            self._sessions[name] = _client_session(upstream, [])
             if upstream.websocket:  # open sessions never take the pool its calls need
-                self._ws_sessions[name] = _client_session(
-                    upstream, aiohttp.TCPConnector, [ws_trace]
-                )
+                self._ws_sessions[name] = _client_session(upstream, [ws_trace])
 
     async def close(self) -> None:
         sessions = [*self._sessions.values(), *self._ws_sessions.values()]
@@ -235,12 +233,15 @@ class Upstreams:
         headers: CIMultiDict[str],
         protocols: tuple[str, ...],
         deadline: float,
+        may_send: Callable[[], bool] | None = None,
     ) -> aiohttp.ClientWebSocketResponse[Literal[False]]:
         """Open the upstream WebSocket of a session, once (docs/contract.md §15): the handshake
         within `connect_timeout_s` and `deadline` (`timeout_s`), then no timeout at all.
+        `may_send` is asked as in `send`, before the handshake is written.
         Raises `UpgradeRefused` (a non-101 answer) or `UpstreamFailure`."""
         state = _Handshake()
-        token = _HANDSHAKE.set(state)
+        attempt = _Attempt(may_send)
+        token, attempt_token = _HANDSHAKE.set(state), _ATTEMPT.set(attempt)
         url = URL(upstream.url + rest, encoded=True)
         try:
             async with asyncio.timeout_at(deadline):
@@ -259,8 +260,11 @@ class Upstreams:
         except Exception as exc:
             if state.refused is not None:
                 raise state.refused from None
+            if isinstance(exc, _Withdrawn) or attempt.withdrawn:
+                raise _lapsed() from None
             raise _classify(exc, state.connected, upstream) from exc
         finally:
+            _ATTEMPT.reset(attempt_token)
             _HANDSHAKE.reset(token)
 
     async def send(
@@ -289,13 +293,18 @@ class Upstreams:
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
         except Exception as exc:
-            if not (isinstance(exc, _Withdrawn) or attempt.withdrawn):
-                raise _classify(exc, attempt.connected, upstream) from exc
-            raise UpstreamFailure(
-                "not_sent", errors.StoreUnavailable(LAPSED, retry_after=1), reason="instance_lapsed"
-            ) from None
+            if isinstance(exc, _Withdrawn) or attempt.withdrawn:
+                raise _lapsed() from None
+            raise _classify(exc, attempt.connected, upstream) from exc
         finally:
             _ATTEMPT.reset(token)
+
+
+def _lapsed() -> UpstreamFailure:
+    """A call the last check withdrew: nothing of it was written."""
+    return UpstreamFailure(
+        "not_sent", errors.StoreUnavailable(LAPSED, retry_after=1), reason="instance_lapsed"
+    )
 
 
 def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
@@ -328,12 +337,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _client_session(
-    upstream: Upstream, connector: type[aiohttp.TCPConnector], traces: list[aiohttp.TraceConfig]
-) -> aiohttp.ClientSession:
+def _client_session(upstream: Upstream, traces: list[aiohttp.TraceConfig]) -> aiohttp.ClientSession:
     """A session of `upstream`'s own: its pool and limits, bytes passed on as they are."""
     session = aiohttp.ClientSession(
-        connector=connector(limit=upstream.max_connections, ssl=_ssl_context(upstream) or True),
+        connector=_CallConnector(
+            limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
+        ),
         request_class=_CheckedRequest,
         auto_decompress=False,
         trace_configs=traces,

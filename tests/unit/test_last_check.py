@@ -86,3 +86,31 @@ async def test_asked_again_just_before_the_body_is_written(upstream: RecordingUp
         assert [r.path for r in upstream.requests] == ["/api/act"]
     finally:
         await upstreams.close()
+
+
+async def test_a_session_s_handshake_is_asked_too(upstream: RecordingUpstream) -> None:
+    """A session's upgrade (docs/contract.md §15) goes through the same last check: a lapsed
+    process writes no handshake, and the session is `not_sent`."""
+    tool = Upstream(name="tool", url=upstream.url, mount="/tool", websocket=True)
+    upstreams = Upstreams({"tool": tool})
+    await upstreams.open()
+    try:
+        deadline = asyncio.get_running_loop().time() + 5
+        asked = []
+
+        def may_send() -> bool:
+            asked.append(True)
+            return False
+
+        with pytest.raises(UpstreamFailure) as failure:
+            await upstreams.open_websocket(
+                tool, "/ws", CIMultiDict(), (), deadline, may_send=may_send
+            )
+        assert failure.value.as_outcome(0.0).status == "not_sent"
+        assert failure.value.as_outcome(0.0).error == "instance_lapsed"
+        assert asked == [True]
+        await asyncio.sleep(0.1)
+        assert upstream.requests == []
+        assert upstream.port is not None and open_connections_to(upstream.port) == 0
+    finally:
+        await upstreams.close()
