@@ -71,7 +71,7 @@ CREATE TABLE IF NOT EXISTS instances (
     heartbeat_at  REAL NOT NULL
 ) WITHOUT ROWID;
 
--- Sweeper cleanups (SPEC 9) still owed: a resource whose expired lease's rule has `on_expiry`.
+-- Sweeper cleanups (docs/contract.md §9) still owed: a resource whose expired lease's rule has `on_expiry`.
 -- Written with the expiry, deleted once the call is known to have happened or a new owner
 -- took the resource over, so failed calls are retried and restarts lose nothing.
 CREATE TABLE IF NOT EXISTS cleanups (
