@@ -426,16 +426,18 @@ class PostgresStore:
 
         A connection lost usually means the server restarted or cut all of this replica's
         connections: the idle ones in the pool are then dead too, and asyncpg can hand one
-        out in a confused protocol state (`InternalClientError`), so all are replaced."""
+        out in a confused protocol state (`InternalClientError`), so all are replaced (not
+        after a timeout, which only says that one statement was slow)."""
         pool = self._pool_or_fail()
         async with pool.acquire() as conn:
             try:
                 yield conn
-            except _LOST_CONNECTION:
+            except _LOST_CONNECTION as exc:
                 # asyncpg has already let go of a connection it saw close
                 with contextlib.suppress(asyncpg.InterfaceError):
                     conn.terminate()
-                await pool.expire_connections()
+                if not isinstance(exc, TimeoutError):  # a slow statement says nothing of others
+                    await pool.expire_connections()
                 raise
 
     async def _tx(self, op: Callable[[Any], Awaitable[T]], *, relaxed: bool = False) -> T:
