@@ -1,5 +1,5 @@
-"""The checks a fenced call and a session's upgrade share (docs/contract.md §3, steps 2 and 4,
-"Rejected receipts"), and how a refusal by admission is told to the caller.
+"""The checks a fenced call and a session's upgrade share (docs/contract.md §3, steps 1, 2
+and 4, "Rejected receipts"), and how a refusal by admission is told to the caller.
 
 Both the call handler (`gateway.proxy.handler`) and the session handler
 (`gateway.proxy.sessions`) run these, so a resource, a signature or a refusal is judged one
@@ -22,6 +22,18 @@ from gateway.observe import logs
 from gateway.proxy import appkeys, headers
 from gateway.proxy.flow import Flow
 from gateway.store.base import Refused
+
+
+def identify_caller(request: web.Request) -> None:
+    """Step 1 for a proxied call: with a clients file, `Proxy-Authorization` names an `agent`
+    or `admin` client (the `Authorization` header belongs to the tool)."""
+    clients = request.app[appkeys.CLIENTS]
+    if clients is None:
+        return
+    client = clients.identify(request.headers.getall("Proxy-Authorization", []))
+    if not client.may("agent"):
+        raise errors.Forbidden(f"client {client.name} may not make proxied calls")
+    request[appkeys.CLIENT] = client
 
 
 def rule_of(

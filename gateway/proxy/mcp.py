@@ -80,6 +80,7 @@ async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
         headers.single(request.headers, jsonrpc.METHOD_HEADER, errors.InvalidRequest),
         headers.single(request.headers, jsonrpc.NAME_HEADER, errors.InvalidRequest),
     )
+    checks.identify_caller(request)  # after the body (docs/contract.md §16, "Order of checks")
     sent = message.stripped_body if message.stripped_body is not None else body
     policies = request.app[appkeys.POLICIES]
     if isinstance(message, jsonrpc.OtherMessage) or not policies.fences_tool(

@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway.config.clients import Client
 from gateway.console.paths import PREFIX as CONSOLE
 from gateway.core import errors
-from gateway.proxy import appkeys
+from gateway.proxy import appkeys, checks, mcp
 
 OPEN_PATHS = frozenset({"/_gateway/healthz", "/_gateway/readyz"})
 
@@ -44,11 +44,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             or request.headers.getall("Proxy-Authorization", [])
         )
         _authorize_api(request, client)
-    else:
-        client = clients.identify(request.headers.getall("Proxy-Authorization", []))
-        if not client.may("agent"):
-            raise errors.Forbidden(f"client {client.name} may not make proxied calls")
-    request[appkeys.CLIENT] = client
+        request[appkeys.CLIENT] = client
+    elif not mcp.answers_in_jsonrpc(request):
+        checks.identify_caller(request)
+    # else: an MCP message's body is read and checked first, then its caller
+    # (docs/contract.md §16, "Order of checks"): `gateway.proxy.mcp.handle` asks
     return await handler(request)
 
 

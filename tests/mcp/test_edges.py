@@ -39,17 +39,22 @@ async def test_with_clients_a_keyless_call_is_a_jsonrpc_error_and_mcp_headers_ca
     gateway = await gateway_factory(
         mcp_policy(mcp_server.url), extra_env={"GATEWAY_CLIENTS": str(clients)}
     )
-    # no key: refused before the body is read, so the error answers id null
+    # no key: the body is checked first, then the caller (docs/contract.md §16), so the
+    # error answers the request's id, and a body that disagrees with its headers is a 400
     listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
-    async with (
-        aiohttp.ClientSession() as anonymous,
-        anonymous.post(f"{gateway.url}{MOUNT}/mcp", json=listing) as resp,
-    ):
-        assert resp.status == 401
-        assert resp.headers["Content-Type"].startswith("application/json")
-        body = await resp.json()
-    assert body["id"] is None and body["error"]["code"] == FENCE_ERROR_CODE
-    assert body["error"]["data"]["code"] == "unauthenticated"
+    async with aiohttp.ClientSession() as anonymous:
+        async with anonymous.post(f"{gateway.url}{MOUNT}/mcp", json=listing) as resp:
+            assert resp.status == 401
+            assert resp.headers["Content-Type"].startswith("application/json")
+            body = await resp.json()
+        assert body["id"] == 1 and body["error"]["code"] == FENCE_ERROR_CODE
+        assert body["error"]["data"]["code"] == "unauthenticated"
+        async with anonymous.post(
+            f"{gateway.url}{MOUNT}/mcp", json=listing, headers={"Mcp-Method": "tools/call"}
+        ) as resp:
+            assert resp.status == 400
+            body = await resp.json()
+        assert body["id"] == 1 and body["error"]["data"]["code"] == "invalid_request"
     async with (
         GatewayClient(gateway.url, key="k-mailer") as gw,
         gw.lease("mail/keyed", owner="run-k", ttl_s=30) as lease,
