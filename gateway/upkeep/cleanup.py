@@ -36,7 +36,7 @@ from gateway.proxy import appkeys
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.headers import new_request_id
-from gateway.store.base import Admitted, Call, CleanupClaim, Outcome, Refused
+from gateway.store.base import Admitted, CleanupClaim, Outcome, Refused
 
 MAX_RETRY_S = 60.0  # the longest wait between two tries of a failing cleanup
 MIN_RECHECK_S = 1.0  # how often an unknown outcome or a held resource is looked at again
@@ -196,21 +196,6 @@ class Cleaner:
             raise ValueError(f"the rule for {resource!r} has no on_expiry")
         method = template.method
         recorded_path = template.render(resource, fence, key)
-        call = Call(
-            resource=resource,
-            fence=fence,
-            owner=owner,
-            client=None,
-            upstream=upstream.name,
-            method=method,
-            path=recorded_path,
-            issuer="gateway",
-            idempotency_key=key,
-            fingerprint=idempotency.fingerprint(method, upstream.mount + recorded_path, b""),
-            retry_statuses=rule.idempotency.retry_statuses,
-            retention_s=rule.idempotency.retention_s,
-            serial=rule.concurrency == "serial",
-        )
         flow = Flow(
             new_request_id(),
             upstream=upstream,
@@ -220,7 +205,14 @@ class Cleaner:
             fence=fence,
             owner=owner,
             rule=rule,
-            call=call,
+        )
+        # The sweeper is no client: its lease is its own, whatever clients file is configured.
+        call = flow.admission(
+            rule,
+            key,
+            idempotency.fingerprint(method, upstream.mount + recorded_path, b""),
+            rule.idempotency.retry_statuses,
+            clients_configured=False,
         )
         async with app[appkeys.LANES].join(resource) as place:
             try:
