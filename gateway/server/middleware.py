@@ -85,6 +85,20 @@ def _with_error_headers(
     return response
 
 
+def error_response(
+    request: web.Request,
+    error: errors.GatewayError,
+    request_id: str | None,
+    presented: dict[str, Any] | None = None,
+) -> web.Response:
+    """A refusal in the caller's protocol: a JSON-RPC error to an MCP client's POST (with the
+    message's id once its body was read), problem+json to everyone else."""
+    if mcp.answers_in_jsonrpc(request):
+        jsonrpc_id = request.get(appkeys.JSONRPC_ID)
+        return jsonrpc_error_response(error, request_id, presented, jsonrpc_id)
+    return problem_response(error, request_id, presented)
+
+
 @web.middleware
 async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
@@ -108,11 +122,7 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
     fields = flow.log_fields() if flow is not None else None
     replayed = flow is not None and flow.replayed
     if error is not None:
-        if mcp.answers_in_jsonrpc(request):
-            jsonrpc_id = request.get(appkeys.JSONRPC_ID)
-            response = jsonrpc_error_response(error, request_id, fields, jsonrpc_id)
-        else:
-            response = problem_response(error, request_id, fields)
+        response = error_response(request, error, request_id, fields)
     if not request.path.startswith("/_gateway/"):
         _count(request, error, fields or {}, replayed)
     if fields is not None or (error is not None and not request.path.startswith("/_gateway/")):

@@ -15,7 +15,8 @@ browser, and its length says nothing about how busy the process is.
 The middleware runs first, ahead of the request id, authentication and the log line: a
 shed call costs as little as the gateway can answer for, and is counted in
 `fence_gateway_rejections_total{code="overloaded"}`; the log says how many were shed at most
-once every `_LOG_EVERY_S`.
+once every `_LOG_EVERY_S`. An MCP client's POST is told in JSON-RPC, as every refusal of
+the gateway's own to it is (its id is null: the body is never read).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gateway.core import errors
 from gateway.core.concurrency import GradientLimit
 from gateway.observe import logs
 from gateway.proxy import appkeys, headers
-from gateway.server.middleware import problem_response
+from gateway.server.middleware import error_response
 
 _LOG_EVERY_S = 10.0
 
@@ -90,7 +91,8 @@ async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
         metrics = app[appkeys.METRICS]
         metrics.rejections_of("-", "overloaded").inc()
         metrics.requests_of("-", "rejected").inc()
-        return problem_response(
+        return error_response(
+            request,
             errors.Overloaded(
                 f"{limit.in_flight} calls are in progress, the most this gateway takes on "
                 "at once; retry later",

@@ -5,6 +5,7 @@ forwarded, and leaves no receipt; `/_gateway/` paths are not counted."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 
@@ -85,3 +86,34 @@ async def test_the_adaptive_limit_lets_an_ordinary_load_through(
         )
     )
     assert [r.status for r in results] == [200] * 64
+
+
+async def test_an_mcp_client_is_shed_in_json_rpc(
+    gateway_factory: GatewayFactory, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """An MCP client reads JSON-RPC, not problem+json (docs/contract.md §16): a shed POST is a
+    JSON-RPC error too, with id null since its body was never read."""
+    gate = asyncio.Event()
+    upstream.script("/api/mcp", Behavior(gate=gate))
+    gateway = await gateway_factory(
+        make_policy(upstream.url, [{"match": "mail/*", "tools": ["send_*"]}], mcp=True),
+        extra_env={"GATEWAY_MAX_INFLIGHT": "1"},
+    )
+    listing = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+    json_headers = {"Content-Type": "application/json"}
+    held = asyncio.create_task(
+        call(session, "POST", f"{gateway.url}/tool/mcp", headers=json_headers, data=listing)
+    )
+    await upstream.wait_received(1)
+    shed = await call(
+        session, "POST", f"{gateway.url}/tool/mcp", headers=json_headers, data=listing
+    )
+    assert shed.status == 503
+    assert shed.headers is not None and shed.headers["Retry-After"] == "1"
+    assert shed.headers["Content-Type"].startswith("application/json")
+    answer = json.loads(shed.body)
+    assert answer["id"] is None and answer["error"]["code"] == -31050
+    assert answer["error"]["data"]["code"] == "overloaded"
+    gate.set()
+    assert (await held).status == 200
+    assert [r.path for r in upstream.received()] == ["/api/mcp"]
