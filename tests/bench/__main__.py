@@ -109,7 +109,8 @@ async def process(module: str, *args: str) -> AsyncIterator[str]:
     try:
         yield url
     finally:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):  # gone already (a Ctrl-C reaches all)
+            proc.terminate()
         await proc.wait()
 
 
@@ -534,7 +535,10 @@ def _loop() -> str:
 
 
 def main() -> None:
-    report = asyncio.run(run())
+    try:
+        report = asyncio.run(run())
+    except KeyboardInterrupt:  # every process and database was already stopped and dropped
+        sys.exit("make bench: interrupted")
     print(report)
     out = REPO_ROOT / "var" / "bench.md"
     out.parent.mkdir(exist_ok=True)
