@@ -50,19 +50,7 @@ class Flow:
         fence are readable (docs/contract.md §3, "Rejected receipts")."""
         if self.resource is None or self.fence is None or self.upstream is None:
             return None
-        return Rejection(
-            resource=self.resource,
-            fence=self.fence,
-            owner=self.owner,
-            client=self.client,
-            upstream=self.upstream.name,
-            method=self.method,
-            path=self.rest,
-            code=code,
-            http_status=http_status,
-            kind=self.kind,
-            mcp=self.mcp,
-        )
+        return Rejection(**self._asked(), code=code, http_status=http_status)
 
     def admission(
         self,
@@ -74,15 +62,8 @@ class Flow:
     ) -> Call:
         """What admission is asked for this flow, once its resource and fence are read and
         `rule` governs it; kept as `call`. A session is never serial: it holds no turn."""
-        assert self.upstream is not None and self.fence is not None
         self.call = Call(
-            resource=self.resource or "",
-            fence=self.fence,
-            owner=self.owner,
-            client=self.client,
-            upstream=self.upstream.name,
-            method=self.method,
-            path=self.rest,
+            **self._asked(),
             issuer=rule.lease.issuer,
             idempotency_key=key,
             fingerprint=fingerprint,
@@ -90,10 +71,23 @@ class Flow:
             retention_s=rule.idempotency.retention_s,
             clients_configured=clients_configured,
             serial=self.kind == "call" and rule.concurrency == "serial",
-            kind=self.kind,
-            mcp=self.mcp,
         )
         return self.call
+
+    def _asked(self) -> dict[str, Any]:
+        """What a rejected receipt and an admission both record of the call asked for."""
+        assert self.resource is not None and self.fence is not None and self.upstream is not None
+        return {
+            "resource": self.resource,
+            "fence": self.fence,
+            "owner": self.owner,
+            "client": self.client,
+            "upstream": self.upstream.name,
+            "method": self.method,
+            "path": self.rest,
+            "kind": self.kind,
+            "mcp": self.mcp,
+        }
 
     def answer_headers(self, receipt_id: str) -> dict[str, str]:
         """What the client is told about its admitted call, answered or replayed

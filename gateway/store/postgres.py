@@ -280,27 +280,21 @@ def _prefixed(row: Any, prefix: str) -> dict[str, Any]:
     return {key[len(prefix) :]: value for key, value in row.items() if key.startswith(prefix)}
 
 
-# Failures below SQL: the connection itself may be broken (the server went away, a protocol
-# state left behind by a cut connection), so it is closed rather than given back to the pool.
-_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+# The connection went away or broke under a statement (a killed backend, a failover, a
+# protocol state left behind by a cut connection, a timeout): it is closed rather than given
+# back to the pool, and whether the statement committed is unknown to this replica.
+_LOST_CONNECTION: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.AdminShutdownError,
     OSError,
     TimeoutError,
 )
 
 
-# The connection went away under a statement (a killed backend, a failover): whether the
-# statement committed is unknown to this replica.
-_LOST_CONNECTION: tuple[type[BaseException], ...] = (
-    *_CONNECTION_ERRORS,
-    asyncpg.PostgresConnectionError,
-    asyncpg.AdminShutdownError,
-)
-
-
 def _database_errors() -> tuple[type[BaseException], ...]:
-    return (asyncpg.PostgresError, *_CONNECTION_ERRORS)
+    return (asyncpg.PostgresError, *_LOST_CONNECTION)
 
 
 class PostgresStore:
