@@ -66,8 +66,8 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
         settings.trusted_networks,
     )
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + upstream.timeout_s
     sent_at = loop.time()
+    deadline = sent_at + upstream.timeout_s
     try:
         answer = await app[appkeys.UPSTREAMS].send(
             upstream, request.method, flow.rest, sent, _body_or_none(request, body), deadline
