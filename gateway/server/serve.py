@@ -10,8 +10,6 @@ import signal
 import ssl
 from urllib.parse import urlsplit, urlunsplit
 
-from aiohttp import web
-
 from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
@@ -19,7 +17,7 @@ from gateway.config.tls import TlsField, TlsFileError, reload_pair, server_conte
 from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
-from gateway.server.http_server import GatewayRunner
+from gateway.server.http_server import GatewayRunner, GatewaySite
 
 
 class ConfigError(Exception):
@@ -138,10 +136,11 @@ async def serve(
     # A worker starts with SIGHUP blocked (gateway.server.workers): one sent meanwhile is
     # handled now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-    site = web.TCPSite(
+    site = GatewaySite(
         runner,
         settings.host,
         settings.port,
+        handshake_timeout_s=settings.header_timeout_s,
         ssl_context=tls,
         reuse_address=True,
         reuse_port=reuse_port or None,

@@ -12,6 +12,7 @@ import shutil
 import signal
 import ssl
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,24 @@ class TestServing:
             result = await call(session, "GET", f"{gw.url}/_gateway/readyz")
         assert isinstance(result.error, aiohttp.ClientConnectorCertificateError), result.error
         assert "certificate has expired" in str(result.error)
+
+    async def test_a_handshake_that_never_comes_is_closed_like_a_slow_head(
+        self, tmp_path: Path, upstream: RecordingUpstream, gateway_factory: GatewayFactory
+    ) -> None:
+        ca = Authority(tmp_path / "pki")
+        gw = await gateway_factory(
+            policy(upstream),
+            extra_env={**tls_env(ca.issue("gateway")), "GATEWAY_HEADER_TIMEOUT_S": "1"},
+            tls=client_context(ca.cert),
+        )
+        started = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)  # no ClientHello
+        try:
+            assert await asyncio.wait_for(reader.read(), 30) == b""
+        finally:
+            writer.close()
+        # GATEWAY_HEADER_TIMEOUT_S, not asyncio's own minute
+        assert 0.9 < time.monotonic() - started < 20
 
 
 def handshake_refused(result: CallResult) -> bool:
