@@ -49,7 +49,7 @@ _TLS_SETTING: dict[TlsField, str] = {
 
 def serving_tls(settings: Settings) -> ssl.SSLContext | None:
     """The context the gateway serves HTTPS with, its files read now; None: plain HTTP."""
-    cert, key = settings.tls_cert, settings.tls_key
+    cert, key = settings.tls_cert or None, settings.tls_key or None  # empty: unset
     if cert is None and key is None:
         if settings.tls_client_ca:
             raise ConfigError(
@@ -70,7 +70,7 @@ def serving_tls(settings: Settings) -> ssl.SSLContext | None:
 def reload_tls(context: ssl.SSLContext | None, settings: Settings) -> None:
     """SIGHUP: the certificate and key read again into the live context; a pair that will
     not load is logged and the one in use kept."""
-    if context is None or settings.tls_cert is None or settings.tls_key is None:
+    if context is None or not settings.tls_cert or not settings.tls_key:
         logs.event("tls_reload_skipped", detail="SIGHUP, but the gateway serves plain HTTP")
         return
     try:

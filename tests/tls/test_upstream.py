@@ -7,6 +7,7 @@ client certificate; the gateway a real subprocess."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tests.harness import (
     fenced_headers,
     make_policy,
     problem,
+    wait_for,
 )
 from tests.tls.certs import Authority, server_context
 
@@ -108,3 +110,8 @@ async def test_a_private_ca_a_client_certificate_and_a_server_name(
             receipt = await resp.json()
         assert receipt["status"] == "not_sent", receipt
     assert len(tool.received(path="/api/deploy")) == 1
+
+    # this gateway serves plain HTTP: SIGHUP has nothing to reload, and stops nothing
+    gw.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    await wait_for(lambda: "tls_reload_skipped" in gw.stderr_text(), what="the skipped reload")
+    assert gw.returncode is None
