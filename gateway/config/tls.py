@@ -93,8 +93,8 @@ def reload_pair(context: ssl.SSLContext, cert_file: str, key_file: str) -> None:
     cert, key = _read(cert_file, "cert_file"), _read(key_file, "key_file")
     with tempfile.TemporaryDirectory(prefix="fence-gateway-tls-") as folder:
         copy_cert, copy_key = Path(folder, "cert.pem"), Path(folder, "key.pem")
-        copy_cert.write_text(cert)
-        copy_key.write_text(key)
+        copy_cert.write_text(cert, encoding="latin-1")  # byte for byte, as `_read` read it
+        copy_key.write_text(key, encoding="latin-1")
         try:
             _load_pair(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), str(copy_cert), str(copy_key))
         except TlsFileError as exc:  # named by the files the operator wrote, not the copy
