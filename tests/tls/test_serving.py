@@ -11,14 +11,18 @@ import os
 import shutil
 import signal
 import ssl
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway.client import GatewayClient
+from gateway.config.settings import Settings
+from gateway.server.serve import ConfigError, serving_tls
 from tests.harness import (
     REPO_ROOT,
     Behavior,
@@ -299,75 +303,93 @@ class TestReload:
             gateway.kill9_sync()
 
 
-async def exit_line(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str]]:
+def serve_exit(tmp_path: Path, env: dict[str, str]) -> tuple[int, list[str]]:
     """`serve` with these settings (it is expected to stop at once): its exit status and the
     lines on stderr that give a reason."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gateway",
-        "serve",
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve"],
         cwd=tmp_path,
         env={**base, "PYTHONPATH": str(REPO_ROOT), "GATEWAY_PORT": "0", **env},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    reasons = [line for line in stderr.decode().splitlines() if line.startswith("fence-gateway:")]
-    return proc.returncode, reasons
+    reasons = [line for line in result.stderr.splitlines() if line.startswith("fence-gateway:")]
+    return result.returncode, reasons
 
 
-async def test_a_missing_unreadable_or_mismatched_file_stops_the_gateway_naming_it(
-    tmp_path: Path, upstream: RecordingUpstream
-) -> None:
-    ca = Authority(tmp_path / "pki")
-    pair, other = ca.issue("gateway"), ca.issue("other")
-    folder = tmp_path / "a-folder.pem"
-    folder.mkdir()
-    missing = tmp_path / "missing.pem"
-    cases = {
-        "GATEWAY_TLS_CERT: {}: cannot be read: No such file or directory": (
-            {"GATEWAY_TLS_CERT": str(missing), "GATEWAY_TLS_KEY": str(pair.key)},
-            missing,
-        ),
-        "GATEWAY_TLS_KEY: {}: cannot be read: Is a directory": (
-            {"GATEWAY_TLS_CERT": str(pair.cert), "GATEWAY_TLS_KEY": str(folder)},
-            folder,
-        ),
-        "GATEWAY_TLS_KEY: {}: this key does not match the certificate in ": (
-            {"GATEWAY_TLS_CERT": str(pair.cert), "GATEWAY_TLS_KEY": str(other.key)},
-            other.key,
-        ),
-        "GATEWAY_TLS_CERT: {}: holds no PEM certificate": (
-            {"GATEWAY_TLS_CERT": str(pair.key), "GATEWAY_TLS_KEY": str(pair.key)},
-            pair.key,
-        ),
-        "GATEWAY_TLS_CLIENT_CA: {}: cannot be read: No such file or directory": (
-            {**tls_env(pair), "GATEWAY_TLS_CLIENT_CA": str(missing)},
-            missing,
-        ),
-        "GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together": (
-            {"GATEWAY_TLS_CERT": str(pair.cert)},
-            None,
-        ),
-    }
-    policies = write_policy(tmp_path / "policies.yaml", policy(upstream))
-    common = {
-        "GATEWAY_POLICIES": str(policies),
-        "GATEWAY_DATABASE_URL": f"sqlite:///{tmp_path}/gw.db",
-    }
-    outcomes = await asyncio.gather(
-        *(exit_line(tmp_path, {**common, **env}) for env, _ in cases.values())
-    )
-    for (expected, (_, path)), (code, lines) in zip(cases.items(), outcomes, strict=True):
-        assert (code, len(lines)) == (2, 1), lines
-        assert lines[0].startswith(f"fence-gateway: {expected.format(path)}"), lines[0]
-    assert not (tmp_path / "gw.db").exists()  # stopped before anything was opened
+class TestBadFiles:
+    """A missing, unreadable or mismatched file: exit 2 at start, one line naming it."""
+
+    def test_serve_exits_2_with_one_line_naming_the_file(
+        self, tmp_path: Path, upstream: RecordingUpstream
+    ) -> None:
+        ca = Authority(tmp_path / "pki")
+        pair, other = ca.issue("gateway"), ca.issue("other")
+        env = {
+            "GATEWAY_POLICIES": str(write_policy(tmp_path / "policies.yaml", policy(upstream))),
+            "GATEWAY_DATABASE_URL": f"sqlite:///{tmp_path}/gw.db",
+            "GATEWAY_TLS_CERT": str(pair.cert),
+            "GATEWAY_TLS_KEY": str(other.key),
+        }
+        assert serve_exit(tmp_path, env) == (
+            2,
+            [
+                f"fence-gateway: GATEWAY_TLS_KEY: {other.key}: this key does not match the "
+                f"certificate in {pair.cert}"
+            ],
+        )
+        assert not (tmp_path / "gw.db").exists()  # stopped before anything was opened
+
+    def test_what_each_file_s_problem_says(self, tmp_path: Path) -> None:
+        ca = Authority(tmp_path / "pki")
+        pair = ca.issue("gateway")
+        folder, missing = tmp_path / "a-folder.pem", tmp_path / "missing.pem"
+        folder.mkdir()
+        cases = [
+            (
+                {"tls_cert": str(missing), "tls_key": str(pair.key)},
+                f"GATEWAY_TLS_CERT: {missing}: cannot be read: No such file or directory",
+            ),
+            (
+                {"tls_cert": str(pair.cert), "tls_key": str(folder)},
+                f"GATEWAY_TLS_KEY: {folder}: cannot be read: Is a directory",
+            ),
+            (
+                {"tls_cert": str(pair.key), "tls_key": str(pair.key)},
+                f"GATEWAY_TLS_CERT: {pair.key}: holds no PEM certificate (BEGIN CERTIFICATE)",
+            ),
+            (
+                {"tls_cert": str(pair.cert), "tls_key": str(pair.cert)},
+                f"GATEWAY_TLS_KEY: {pair.cert}: holds no PEM private key (BEGIN PRIVATE KEY)",
+            ),
+            (
+                {**_settings(pair), "tls_client_ca": str(missing)},
+                f"GATEWAY_TLS_CLIENT_CA: {missing}: cannot be read: No such file or directory",
+            ),
+            (
+                {"tls_cert": str(pair.cert)},
+                "GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together: set both to serve HTTPS, "
+                "or neither",
+            ),
+            (
+                {"tls_client_ca": str(ca.cert)},
+                "GATEWAY_TLS_CLIENT_CA needs GATEWAY_TLS_CERT and GATEWAY_TLS_KEY: client "
+                "certificates are asked for in the TLS handshake of an HTTPS gateway",
+            ),
+        ]
+        for values, message in cases:
+            with pytest.raises(ConfigError) as caught:
+                serving_tls(Settings(**values))
+            assert str(caught.value) == message
+        # one file holding both, and empty settings meaning unset
+        combined = tmp_path / "combined.pem"
+        combined.write_bytes(pair.cert.read_bytes() + pair.key.read_bytes())
+        assert serving_tls(Settings(tls_cert=str(combined), tls_key=str(combined))) is not None
+        assert serving_tls(Settings(tls_cert="", tls_key="")) is None
+
+
+def _settings(pair: Issued) -> dict[str, str]:
+    return {"tls_cert": str(pair.cert), "tls_key": str(pair.key)}
