@@ -2,8 +2,8 @@
 server_name}` verifies the tool's certificate against a private CA, presents a client
 certificate, and checks the certificate for `server_name` (sent as SNI too), whatever address
 the tool is reached at. Verification cannot be turned off: a certificate that does not verify
-is `502 upstream_unreachable`, `not_sent`. The tool is a real HTTPS server that requires a
-client certificate; the gateway a real subprocess."""
+is `502 upstream_unreachable`, `not_sent`. Calls and sessions' upgrades alike. The tool is a
+real HTTPS server that requires a client certificate; the gateway a real subprocess."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import pytest
 
 from tests.harness import (
     GatewayFactory,
-    RecordingUpstream,
     call,
     fenced_headers,
     make_policy,
     problem,
     wait_for,
 )
+from tests.sessions.ws_upstream import WsUpstream
 from tests.tls.certs import Authority, server_context
 
 
@@ -41,13 +41,13 @@ def pki(tmp_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def https_tool(pki: dict[str, Any]) -> AsyncIterator[tuple[RecordingUpstream, list[str]]]:
-    """The tool over HTTPS, client certificates of the clients' CA required; the SNI names
-    its handshakes carried."""
+async def https_tool(pki: dict[str, Any]) -> AsyncIterator[tuple[WsUpstream, list[str]]]:
+    """The tool over HTTPS (it takes WebSocket upgrades too), client certificates of the
+    clients' CA required; the SNI names its handshakes carried."""
     context = server_context(pki["tool"], client_ca=pki["clients"].cert)
     names: list[str] = []
     context.sni_callback = lambda _ssl, name, _ctx: names.append(name) and None
-    async with RecordingUpstream(tls=context) as tool:
+    async with WsUpstream(tls=context) as tool:
         yield tool, names
 
 
@@ -57,7 +57,7 @@ def upstream(name: str, url: str, **tls: Any) -> dict[str, Any]:
 
 async def test_a_private_ca_a_client_certificate_and_a_server_name(
     pki: dict[str, Any],
-    https_tool: tuple[RecordingUpstream, list[str]],
+    https_tool: tuple[WsUpstream, list[str]],
     gateway_factory: GatewayFactory,
     session: aiohttp.ClientSession,
 ) -> None:
@@ -72,6 +72,7 @@ async def test_a_private_ca_a_client_certificate_and_a_server_name(
         tool.url, [{"match": "ext/*"}], name="tool", tls={**files, "server_name": "tool.internal"}
     )
     document["upstreams"] += [
+        {**upstream("sessions", tool.url, **files, server_name="tool.internal"), "websocket": True},
         upstream("unnamed", tool.url, **files),  # checked for 127.0.0.1: not in the cert
         upstream(
             "strange",
@@ -82,7 +83,7 @@ async def test_a_private_ca_a_client_certificate_and_a_server_name(
     ]
     document["resources"] += [
         {"match": "ext/*", "upstream": name, "lease": {"issuer": "external"}}
-        for name in ("unnamed", "strange")
+        for name in ("unnamed", "strange", "sessions")
     ]
     gw = await gateway_factory(document)
 
@@ -92,6 +93,13 @@ async def test_a_private_ca_a_client_certificate_and_a_server_name(
     assert answered.status == 200, answered.body
     (received,) = tool.received(path="/api/deploy")
     assert received.fence == 1
+    # a session's upgrade goes the same way
+    async with session.ws_connect(
+        f"{gw.url.replace('http', 'ws', 1)}/sessions/ws", headers=fenced_headers("ext/3", 1)
+    ) as ws:
+        await ws.send_str("over tls")
+        assert await ws.receive_str(timeout=5) == "over tls"
+    assert [c.path_qs for c in tool.connections] == ["/api/ws"]
     assert set(names) == {"tool.internal"}  # the SNI of every handshake
 
     for mount, reason in (
