@@ -1,10 +1,11 @@
 """Runs one page's examples as a reader would, inside a network namespace of its own.
 
-`python -m tests.docs.sandbox WORKDIR < blocks.json` is started by tests/docs/test_examples.py
+`python -m tests.docs.sandbox WORKDIR < spec.json` is started by tests/docs/test_examples.py
 under `unshare --net`: a fresh loopback where 127.0.0.1:8080 is free whatever else runs on the
 machine, so the examples run exactly as written (`curl localhost:8080/…`, the CLI's default
-`--url`, a tool at 127.0.0.1:9400). Here it starts the gateway as `make run` does (the shipped
-`policies/`, on SQLite, at 127.0.0.1:8080; its database in WORKDIR), then runs the blocks in
+`--url`, a tool at 127.0.0.1:9400). Here it starts the gateway as `make run` does, when the page
+talks to it (the shipped `policies/`, on SQLite, at 127.0.0.1:8080; its database in WORKDIR),
+then runs the blocks in
 page order: Python blocks as scripts, shell blocks with bash (`-e -o pipefail`) from the
 repository's root, background blocks left running until the page ends. It prints one JSON
 result per block on stdout: {"where", "ok", "output"}.
@@ -98,10 +99,12 @@ def run_block(
     return {"ok": ok, "output": output + done.stderr.decode(errors="replace")}
 
 
-async def main(workdir: Path, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def main(workdir: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
     loopback_up()
+    blocks = spec["blocks"]
     gateway = GatewayProcess(workdir, REPO_ROOT / "policies", sweep_interval_s=1.0, port=8080)
-    await gateway.start()
+    if spec["gateway"]:
+        await gateway.start()
     background: list[subprocess.Popen[bytes]] = []
     results = []
     try:
@@ -113,10 +116,10 @@ async def main(workdir: Path, blocks: list[dict[str, Any]]) -> list[dict[str, An
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        gateway.kill9_sync()
+        if spec["gateway"]:
+            gateway.kill9_sync()
     return results
 
 
 if __name__ == "__main__":
-    page_blocks = json.load(sys.stdin)
-    print(json.dumps(asyncio.run(main(Path(sys.argv[1]), page_blocks))))
+    print(json.dumps(asyncio.run(main(Path(sys.argv[1]), json.load(sys.stdin)))))

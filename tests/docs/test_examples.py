@@ -12,9 +12,11 @@ The convention, by the fenced block's language:
 * Anything else fails, unless marked.
 
 The Python and shell blocks of a page run in page order, inside a network namespace of their
-own (tests/docs/sandbox.py), against a gateway started as `make run` starts it: the shipped
-`policies/` at 127.0.0.1:8080, on a fresh SQLite database. So an example is written exactly
-as a reader runs it, next to `make run`.
+own (tests/docs/sandbox.py). When one of them talks to the gateway (it names `:8080`, or runs
+`fence-gateway receipts`, `leases` or `fences`, which default to it), a gateway is started
+first as `make run` starts it: the shipped `policies/` at 127.0.0.1:8080, on a fresh SQLite
+database. So an example is written exactly as a reader runs it, next to `make run`. A page
+that starts `chromium` needs Debian's Chromium (outside CI, without it, the page is skipped).
 
 A marker is an HTML comment on the line just before the opening fence:
 
@@ -34,8 +36,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,7 @@ from gateway.cli.main import main as fence_gateway
 from gateway.config.clients import load_clients
 from tests.docs.blocks import Block, blocks_of
 from tests.harness import REPO_ROOT
+from tests.sessions.chromium import chromium_path
 
 DOCS = REPO_ROOT / "docs"
 PAGES = [REPO_ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
@@ -97,6 +103,13 @@ def test_yaml_block_is_valid(
 RUN_PAGES = sorted(
     p for p, blocks in BLOCKS.items() if any(b.kind in ("python", "shell") for b in blocks)
 )
+TALKS_TO_GATEWAY = re.compile(r":8080\b|fence-gateway (receipts|leases|fences)\b")
+STARTS_CHROMIUM = re.compile(r"^\s*chromium\b", re.M)
+# Pages run a few at a time, each in its own namespace: most of a page's time is waiting (a
+# gateway starting, a lease expiring in the demo), so the suite waits for the slowest page
+# rather than for all of them in turn.
+AT_ONCE = 3
+HAVE_CHROMIUM = shutil.which("chromium") is not None
 
 
 def sandboxed() -> list[str]:
@@ -106,10 +119,10 @@ def sandboxed() -> list[str]:
     return ["unshare", "--user", "--map-root-user", "--net"]
 
 
-@pytest.mark.parametrize("page", RUN_PAGES)
-def test_page_examples_run(page: str, tmp_path: Path) -> None:
+def page_runs(page: str) -> list[dict[str, object]]:
+    """The blocks of a page the sandbox runs, each with the output the page says it prints."""
     blocks = BLOCKS[page]
-    runs = []
+    runs: list[dict[str, object]] = []
     for index, block in enumerate(blocks):
         if block.kind not in ("python", "shell"):
             continue
@@ -125,18 +138,50 @@ def test_page_examples_run(page: str, tmp_path: Path) -> None:
                 "expect": expect,
             }
         )
+    return runs
+
+
+def run_page(page: str, workdir: Path) -> subprocess.CompletedProcess[bytes]:
+    runs = page_runs(page)
+    talks = any(TALKS_TO_GATEWAY.search(str(run["text"])) for run in runs)
+    return subprocess.run(
+        [*sandboxed(), sys.executable, "-m", "tests.docs.sandbox", str(workdir)],
+        cwd=REPO_ROOT,
+        input=json.dumps({"gateway": talks, "blocks": runs}).encode(),
+        capture_output=True,
+        timeout=SANDBOX_TIMEOUT_S,
+    )
+
+
+def needs_chromium(page: str) -> bool:
+    return any(STARTS_CHROMIUM.search(str(run["text"])) for run in page_runs(page))
+
+
+@pytest.fixture(scope="module")
+def page_results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Future[subprocess.CompletedProcess[bytes]]]]:
+    """Every runnable page started at once (AT_ONCE at a time); each test waits for its own."""
     probe = subprocess.run([*sandboxed(), "true"], capture_output=True)
     if probe.returncode != 0:
         if os.environ.get("CI") == "true":
             pytest.fail(f"cannot make a network namespace: {probe.stderr.decode()}")
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode().strip()}")
-    done = subprocess.run(
-        [*sandboxed(), sys.executable, "-m", "tests.docs.sandbox", str(tmp_path)],
-        cwd=REPO_ROOT,
-        input=json.dumps(runs).encode(),
-        capture_output=True,
-        timeout=SANDBOX_TIMEOUT_S,
-    )
+    runnable = [p for p in RUN_PAGES if HAVE_CHROMIUM or not needs_chromium(p)]
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        yield {
+            page: pool.submit(run_page, page, tmp_path_factory.mktemp("page")) for page in runnable
+        }
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_page_examples_run(
+    page: str, page_results: dict[str, Future[subprocess.CompletedProcess[bytes]]]
+) -> None:
+    if page not in page_results:
+        chromium_path()  # fails under CI=true, skips with one line elsewhere
+        pytest.skip("chromium is not on PATH")
+    done = page_results[page].result()
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     failed = [f"{r['where']}:\n{r['output']}" for r in json.loads(done.stdout) if not r["ok"]]
     assert not failed, "examples that did not run:\n\n" + "\n\n".join(failed)
