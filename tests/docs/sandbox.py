@@ -6,8 +6,10 @@ machine, so the examples run exactly as written (`curl localhost:8080/…`, the 
 `--url`, a tool at 127.0.0.1:9400). Here it starts the gateway as `make run` does, when the page
 talks to it (the shipped `policies/`, on SQLite, at 127.0.0.1:8080; its database in WORKDIR),
 then runs the blocks in
-page order: Python blocks as scripts, shell blocks with bash (`-e -o pipefail`) from the
-repository's root, background blocks left running until the page ends. It prints one JSON
+page order: Python blocks as scripts, shell blocks with bash (`-e -o pipefail`) in a folder
+that looks like the repository's root (its entries linked in, so `.venv/bin/…` and
+`deploy/…` resolve, while what an example writes stays in WORKDIR), background blocks left
+running until the page ends. It prints one JSON
 result per block on stdout: {"where", "ok", "output"}.
 """
 
@@ -45,6 +47,16 @@ def environment(workdir: Path) -> dict[str, str]:
     return env
 
 
+def checkout(workdir: Path) -> Path:
+    """A folder whose entries are links to the repository's: a shell block runs from it."""
+    root = workdir / "repository"
+    root.mkdir()
+    for entry in REPO_ROOT.iterdir():
+        if entry.name != ".git":
+            (root / entry.name).symlink_to(entry)
+    return root
+
+
 def command(block: dict[str, Any], workdir: Path, number: int) -> tuple[list[str], Path]:
     """What runs a block, and the folder it runs in."""
     text = block["text"]
@@ -55,7 +67,7 @@ def command(block: dict[str, Any], workdir: Path, number: int) -> tuple[list[str
         return [sys.executable, str(script)], workdir
     if block["lang"] == "console":  # the lines a reader types, after "$ "
         text = "\n".join(line[2:] for line in text.splitlines() if line.startswith("$ "))
-    return ["bash", "-e", "-o", "pipefail", "-c", text], REPO_ROOT
+    return ["bash", "-e", "-o", "pipefail", "-c", text], workdir / "repository"
 
 
 def wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
@@ -101,6 +113,7 @@ def run_block(
 
 async def main(workdir: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
     loopback_up()
+    checkout(workdir)
     blocks = spec["blocks"]
     gateway = GatewayProcess(workdir, REPO_ROOT / "policies", sweep_interval_s=1.0, port=8080)
     if spec["gateway"]:
