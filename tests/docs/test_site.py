@@ -32,6 +32,8 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "reference" / "http-api" / "index.html").exists()
     assert (tmp_path / "reference" / "openapi.json").exists()
+    commands = (tmp_path / "reference" / "cli" / "index.html").read_text()
+    assert "fence-gateway receipts resolve" in commands and "--floor-only" in commands
 
 
 def test_every_setting_is_documented() -> None:
