@@ -108,7 +108,7 @@ STARTS_CHROMIUM = re.compile(r"^\s*chromium\b", re.M)
 # Pages run a few at a time, each in its own namespace: most of a page's time is waiting (a
 # gateway starting, a lease expiring in the demo), so the suite waits for the slowest page
 # rather than for all of them in turn.
-AT_ONCE = 3
+AT_ONCE = 2
 HAVE_CHROMIUM = shutil.which("chromium") is not None
 
 
