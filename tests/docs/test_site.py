@@ -1,11 +1,12 @@
-"""The documentation site builds with no warning (a broken link or anchor fails it), and its
-hand-written reference pages name everything the code has: every setting, every policy field,
-every error code. (The HTTP API and command-line pages are generated from the code at every
+"""The documentation site builds with no warning (a broken link or anchor fails it), the
+README's own links hold, and the site's hand-written reference pages name everything the code
+has: every setting, every policy field, every error code. (The HTTP API and command-line pages are generated from the code at every
 build: docs/generate/reference.py.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,31 @@ def test_every_error_code_says_what_a_caller_does() -> None:
         if f"| {cls.status} | `{code}` |" not in page
     ]
     assert not missing, f"error codes missing from docs/reference/errors.md: {missing}"
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as '-'."""
+    text = re.sub(r"[`*]|\[|\]\([^)]*\)", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    return {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text, re.M)}
+
+
+def test_the_readme_links_hold() -> None:
+    """The README is read on its own (not in the site), so its links are checked here: every
+    relative link names a file of the repository, and every anchor a heading of its page."""
+    readme = REPO_ROOT / "README.md"
+    prose = re.sub(r"^```.*?^```", "", readme.read_text(), flags=re.M | re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # https:, mailto:, …
+        path, _, anchor = target.partition("#")
+        page = (REPO_ROOT / path) if path else readme
+        missing_anchor = anchor and page.suffix == ".md" and anchor not in _anchors(page)
+        if not page.exists() or missing_anchor:
+            broken.append(target)
+    assert not broken, f"README.md links to what does not exist: {broken}"
