@@ -6,6 +6,9 @@ convention in tests/docs/test_examples.py):
     <!-- not-run: REASON -->          not run, for REASON (required)
     <!-- run: background port=N -->  started in the background; the next blocks wait for N
     <!-- output -->                   the exact output of the block run just before
+
+A line `--8<-- "PATH"` inside a block is the file at PATH (from the repository's root), as
+the site's snippets extension includes it: a page shows a shipped file without a copy of it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<lang>[\w+-]*)[^`]*$")
 _MARKER = re.compile(r"^\s*<!--\s*(?P<body>.*?)\s*-->\s*$")
 _NOT_RUN = re.compile(r"^not-run:\s*(?P<reason>\S.*)$")
 _BACKGROUND = re.compile(r"^run:\s*background\s+port=(?P<port>\d+)$")
+_SNIPPET = re.compile(r'^--8<-- "(?P<path>[^"]+)"$', re.M)
 
 
 class MarkerError(ValueError):
@@ -76,6 +80,7 @@ def blocks_of(path: Path, root: Path) -> list[Block]:
         while end < len(lines) and not re.match(rf"^ *{ticks}\s*$", lines[end]):
             end += 1
         body = "\n".join(line.removeprefix(indent) for line in lines[index + 1 : end])
+        body = _SNIPPET.sub(lambda m: (root / m["path"]).read_text().rstrip("\n"), body)
         found.append(_marked(page, index + 1, opening["lang"].lower(), body + "\n", lines[:index]))
         index = end + 1
     return found

@@ -1,7 +1,7 @@
 """The documentation site builds with no warning (a broken link or anchor fails it), the
 README's own links hold, and the site's hand-written reference pages name everything the code
-has: every setting, every policy field, every error code. (The HTTP API and command-line pages are generated from the code at every
-build: docs/generate/reference.py.)"""
+has: every setting, every policy field, every error code. (The HTTP API and command-line
+pages are generated from the code at every build: docs/generate/reference.py.)"""
 
 from __future__ import annotations
 
