@@ -342,6 +342,26 @@ def tool_matches(patterns: tuple[str, ...] | list[str], tool: str) -> bool:
     return any(_tool_regex(pattern).fullmatch(tool) is not None for pattern in patterns)
 
 
+ToolTreatment = Literal["fenced", "unfenced", "refused"]
+
+
+def treat_tool(
+    tool: str,
+    fenced: tuple[str, ...],
+    unfenced: tuple[str, ...],
+    unmatched: Literal["refuse", "pass"],
+) -> ToolTreatment:
+    """What a tool call of an MCP upstream gets (docs/contract.md §16, §20): fenced when a
+    rule's `tools` glob names it (even if `unfenced_tools` names it too: the safe side wins),
+    unfenced when an `unfenced_tools` glob does, and otherwise what `unmatched_tools` says, so
+    that with `refuse` a tool newly added to the server fails closed."""
+    if tool_matches(fenced, tool):
+        return "fenced"
+    if unmatched == "pass" or tool_matches(unfenced, tool):
+        return "unfenced"
+    return "refused"
+
+
 @lru_cache(maxsize=1024)
 def _tool_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in pattern.split("*")), re.DOTALL)
