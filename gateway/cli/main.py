@@ -118,7 +118,7 @@ def _serve(workers: int | None, worker: bool) -> int:
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
     from gateway.server import eventloop
-    from gateway.server.serve import ConfigError, check_open_bind, serve
+    from gateway.server.serve import ConfigError, check_open_bind, check_tracing, serve
     from gateway.server.workers import WorkersError, check_workers, supervise
 
     try:
@@ -131,6 +131,7 @@ def _serve(workers: int | None, worker: bool) -> int:
             logs.event("policy_warning", 30, detail=warning)
         clients = load_clients(settings.clients) if settings.clients else None
         check_open_bind(settings)
+        check_tracing(settings)
         if settings.workers > 1 and not worker:
             return supervise(settings)
         eventloop.run(serve(settings, policies, clients, reuse_port=worker))

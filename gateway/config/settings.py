@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     restore_fence_gap: int = Field(DEFAULT_GAP, ge=1, le=MAX_FENCE)
     # proxied calls in progress at once: "auto" (an adaptive limit) or a fixed number
     max_inflight: int | Literal["auto"] = "auto"
+    # docs/contract.md §21: spans of proxied calls, with the otel extra; OTEL_* configure them
+    otel: bool = False
 
     @field_validator("log_level", mode="before")
     @classmethod

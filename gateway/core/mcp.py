@@ -49,6 +49,7 @@ class ToolCall:
     tool: str
     operation: bytes  # the canonical arguments (and a later round's inputs): what it does
     lease_entry: object | None  # params._meta[LEASE_META_KEY] as sent, None when absent
+    meta: dict[str, Any] | None  # params._meta as sent (a trace context may be there, §21)
     stripped_body: bytes | None  # the body without the lease entry; None: it had none
 
 
@@ -166,6 +167,7 @@ def _tool_call(document: dict[str, Any], params: Any) -> ToolCall:
         tool=params["name"],
         operation=operation,
         lease_entry=meta.get(LEASE_META_KEY) if meta else None,
+        meta=meta,
         stripped_body=_without_lease(document, params),
     )
 

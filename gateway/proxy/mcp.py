@@ -86,6 +86,8 @@ async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     sent = message.stripped_body if message.stripped_body is not None else body
     if isinstance(message, jsonrpc.OtherMessage):
         return await _unfenced(request, flow, upstream, sent)
+    if flow.trace is not None:  # traced: the span continues the call's _meta trace (§21)
+        flow.trace.continue_from(message.meta)
     treatment = request.app[appkeys.POLICIES].tool_treatment(upstream, message.tool)
     if treatment == "refused":  # no rule governs it: no receipt (docs/contract.md §20)
         raise errors.ToolNotAllowed(
