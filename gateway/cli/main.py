@@ -125,13 +125,13 @@ def _serve(workers: int | None, worker: bool) -> int:
         settings = _settings(workers)
         logs.configure(settings.log_format, settings.log_level)
         check_workers(settings)
+        check_tracing(settings)
         warnings: list[str] = []
         policies = load_policies(settings.policies, warnings=warnings)
         for warning in warnings:
             logs.event("policy_warning", 30, detail=warning)
         clients = load_clients(settings.clients) if settings.clients else None
         check_open_bind(settings)
-        check_tracing(settings)
         if settings.workers > 1 and not worker:
             return supervise(settings)
         eventloop.run(serve(settings, policies, clients, reuse_port=worker))
