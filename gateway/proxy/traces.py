@@ -9,10 +9,11 @@ When it is on, `Tracing` is that hook. Per proxied call it makes a `CallTrace`, 
 the server span named `{METHOD} {mount}`: it continues a `traceparent` from the request's
 headers, or, for an MCP tool call, from `params._meta`, so for a POST to an MCP server the
 span starts once the message is read (`CallTrace.continue_from`), from when the call arrived.
-`TracedUpstreams` wraps each call to a tool in a client span and injects its `traceparent`
-into the headers the tool receives. The span ends when the answer is over, with the fencing
-attributes of `gateway.core.spans`: never a key, an injected credential or a body. A sampled
-trace's id goes on the flow (`Flow.trace_id`), and from there on the receipt and the log line.
+`TracedUpstreams` wraps each call to a tool (a session's handshake too) in a client span and
+injects its `traceparent` into the headers the tool receives. The server span ends when the
+answer is over (a session's, when the session is), with the fencing attributes of
+`gateway.core.spans`: never a key, an injected credential or a body. A sampled trace's id
+goes on the flow (`Flow.trace_id`), and from there on the receipt and the log line.
 
 The standard `OTEL_*` variables configure it: the exporter (`OTEL_TRACES_EXPORTER`, default
 `otlp`, over HTTP/protobuf; its endpoint, headers and timeout), the sampler, the batch
@@ -27,6 +28,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from importlib.metadata import entry_points
+from typing import Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -44,7 +46,7 @@ from gateway.core import errors
 from gateway.core.spans import call_attributes, decision_of, span_name
 from gateway.proxy.flow import Flow
 from gateway.proxy.headers import RECEIPT_HEADER
-from gateway.proxy.upstream import UpstreamFailure, Upstreams
+from gateway.proxy.upstream import UpgradeRefused, UpstreamFailure, Upstreams
 
 # What an MCP tool call's `params._meta` may carry of its trace (the W3C fields, as headers).
 _META_FIELDS = ("traceparent", "tracestate", "baggage")
@@ -256,11 +258,50 @@ class TracedUpstreams(Upstreams):
             span.set_status(Status(StatusCode.ERROR))
             span.end()
             raise
-        span.set_attribute("http.response.status_code", answer.status)
-        if answer.status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
-        span.end()  # at the answer's head, as HTTP client instrumentations do
+        _answered(span, answer.status)  # at the answer's head, as HTTP clients' spans end
         return answer
+
+    async def open_websocket(
+        self,
+        upstream: Upstream,
+        rest: str,
+        headers: CIMultiDict[str],
+        protocols: tuple[str, ...],
+        deadline: float,
+        may_send: Callable[[], bool] | None = None,
+    ) -> aiohttp.ClientWebSocketResponse[Literal[False]]:
+        """A session's upgrade (docs/contract.md §15): the client span is its handshake."""
+        call = _CURRENT.get()
+        if call is None:
+            return await super().open_websocket(
+                upstream, rest, headers, protocols, deadline, may_send
+            )
+        span = call.client_span(upstream, "GET", headers)
+        try:
+            socket = await super().open_websocket(
+                upstream, rest, headers, protocols, deadline, may_send
+            )
+        except UpgradeRefused as refused:
+            _answered(span, refused.status)
+            raise
+        except UpstreamFailure as failure:
+            span.set_attribute("error.type", failure.error.code)
+            span.set_status(Status(StatusCode.ERROR))
+            span.end()
+            raise
+        except BaseException:
+            span.set_status(Status(StatusCode.ERROR))
+            span.end()
+            raise
+        _answered(span, 101)
+        return socket
+
+
+def _answered(span: trace.Span, status: int) -> None:
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR))
+    span.end()
 
 
 def _http_attributes(request: web.Request, mount: str | None) -> dict[str, str]:

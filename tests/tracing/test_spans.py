@@ -4,7 +4,8 @@ upstream shows the `traceparent` the tool received.
 
 One gateway serves the whole story (starting one takes a while): an admitted call continuing
 the client's trace, its replay, a stale fence refused, an unfenced call, a call the client
-did not sample, a call without any trace, and one shed by the overload limit."""
+did not sample, a call without any trace, a WebSocket session, and one shed by the overload
+limit."""
 
 from __future__ import annotations
 
@@ -16,14 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.harness import (
-    Behavior,
-    GatewayFactory,
-    GatewayProcess,
-    RecordingUpstream,
-    fenced_headers,
-    make_policy,
-)
+from tests.harness import Behavior, GatewayFactory, GatewayProcess, fenced_headers, make_policy
+from tests.sessions.ws_upstream import WsUpstream
 from tests.tracing.otlp import CLIENT, SERVER, OtlpReceiver, ReceivedSpan, tracing_env
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -42,13 +37,21 @@ async def otlp() -> AsyncIterator[OtlpReceiver]:
 
 
 @pytest.fixture
+async def upstream() -> AsyncIterator[WsUpstream]:
+    """The tool: it records HTTP calls and takes WebSocket sessions (docs/contract.md §15)."""
+    async with WsUpstream() as server:
+        yield server
+
+
+@pytest.fixture
 async def traced_gateway(
-    gateway_factory: GatewayFactory, upstream: RecordingUpstream, otlp: OtlpReceiver
+    gateway_factory: GatewayFactory, upstream: WsUpstream, otlp: OtlpReceiver
 ) -> GatewayProcess:
     policy = make_policy(
         upstream.url,
         [{"match": "orders/*"}],
         inject_headers={"Authorization": f"Bearer {SECRET}"},
+        websocket=True,
     )
     env = {**tracing_env(otlp), "GATEWAY_LOG_FORMAT": "json", "GATEWAY_MAX_INFLIGHT": "1"}
     return await gateway_factory(policy, extra_env=env)
@@ -71,7 +74,7 @@ def server_span(otlp: OtlpReceiver, receipt_id: str) -> ReceivedSpan:
 
 async def test_spans_of_admitted_replayed_rejected_unfenced_and_shed_calls(
     traced_gateway: GatewayProcess,
-    upstream: RecordingUpstream,
+    upstream: WsUpstream,
     otlp: OtlpReceiver,
     session: aiohttp.ClientSession,
 ) -> None:
@@ -177,6 +180,22 @@ async def test_spans_of_admitted_replayed_rejected_unfenced_and_shed_calls(
     assert (await receipt(session, gateway, rooted_id))["trace_id"] == rooted.trace_id
     assert len(otlp.spans) == spans_before + 2  # the rooted call's server and client spans
 
+    # a session: its upgrade is the client span, the tool's handshake carries its traceparent
+    ws = await session.ws_connect(
+        f"{gateway.url}/tool/ws",
+        headers={**fenced_headers("orders/s", 1), "traceparent": traceparent()},
+    )
+    await upstream.wait_connections(1)
+    await ws.close()
+    await otlp.wait_spans(SERVER, 6)
+    [opened] = [s for s in otlp.of_kind(SERVER) if s.attributes.get("fence_gateway.fence") == 1
+                and s.attributes.get("fence_gateway.resource") == "orders/s"]  # fmt: skip
+    [handshake] = [s for s in otlp.of_kind(CLIENT) if s.parent_span_id == opened.span_id]
+    assert (opened.name, opened.trace_id, handshake.name) == ("GET /tool", TRACE, "GET tool")
+    assert opened.attributes["fence_gateway.decision"] == "admitted"
+    assert handshake.attributes["http.response.status_code"] == 101
+    assert upstream.connections[0].headers["traceparent"] == traceparent(span_id=handshake.span_id)
+
     # shed: GATEWAY_MAX_INFLIGHT=1 and one call held at the tool
     gate = asyncio.Event()
     upstream.script("/api/slow", Behavior(gate=gate))
@@ -186,7 +205,7 @@ async def test_spans_of_admitted_replayed_rejected_unfenced_and_shed_calls(
         assert resp.status == 503
     gate.set()
     (await held).release()
-    await otlp.wait_spans(SERVER, 7)
+    await otlp.wait_spans(SERVER, 8)
     [shed] = [s for s in otlp.of_kind(SERVER) if s.attributes["fence_gateway.decision"] == "shed"]
     assert (shed.name, shed.trace_id, shed.parent_span_id) == ("GET /tool", TRACE, CALLER_SPAN)
     assert shed.attributes["error.type"] == "overloaded" and shed.status_code == 2
