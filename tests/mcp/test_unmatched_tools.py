@@ -66,16 +66,7 @@ async def test_a_tool_no_policy_names_is_refused_and_never_reaches_the_server(
                 "Tool not allowed",
             )
             assert tool in problem["detail"] and "unfenced_tools" in problem["detail"]
-    assert mcp_server.effects("deploy") == mcp_server.effects("send_with_progress") == []
-    reached = [r["body"] for r in mcp_server.requests() if '"tools/call"' in r["body"]]
-    assert len(reached) == 2 and not any('"deploy"' in body for body in reached)
-    receipts = await fetch_receipts(session, refusing_gateway.url)
-    assert [(r["status"], r["mcp"]["tool"]) for r in receipts] == [("succeeded", "send_email")]
-
-
-async def test_the_refusal_is_a_jsonrpc_error_under_the_requests_id(
-    refusing_gateway: GatewayProcess, mcp_server: McpServerView, session: aiohttp.ClientSession
-) -> None:
+    # on the wire: the HTTP status of the refusal, a JSON-RPC error under the request's id
     call = rpc("call-7", "tools/call", {"name": "deploy", "arguments": {"version": "v3"}})
     status, headers, body = await post(
         session, refusing_gateway, call, routing("tools/call", "deploy")
@@ -89,7 +80,11 @@ async def test_the_refusal_is_a_jsonrpc_error_under_the_requests_id(
         "tool_not_allowed",
         403,
     )
-    assert mcp_server.effects("deploy") == []
+    assert mcp_server.effects("deploy") == mcp_server.effects("send_with_progress") == []
+    reached = [r["body"] for r in mcp_server.requests() if '"tools/call"' in r["body"]]
+    assert len(reached) == 2 and not any('"deploy"' in body for body in reached)
+    receipts = await fetch_receipts(session, refusing_gateway.url)
+    assert [(r["status"], r["mcp"]["tool"]) for r in receipts] == [("succeeded", "send_email")]
 
 
 async def test_by_default_an_unnamed_tool_passes_unfenced(
