@@ -91,6 +91,9 @@ async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
         metrics = app[appkeys.METRICS]
         metrics.rejections_of("-", "overloaded").inc()
         metrics.requests_of("-", "rejected").inc()
+        tracing = app[appkeys.TRACING]  # None, unless GATEWAY_OTEL (docs/contract.md §21)
+        if tracing is not None:
+            tracing.shed(request, errors.Overloaded.status)
         return error_response(
             request,
             errors.Overloaded(
