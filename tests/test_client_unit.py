@@ -187,12 +187,17 @@ class FakeGateway:
         return web.json_response({"ok": True}, headers={"X-Receipt-Id": "r-1"})
 
 
-@pytest.fixture
-async def fake(aiohttp_server: Any) -> Any:
+async def start_fake(aiohttp_server: Any) -> FakeGateway:
+    """The fake gateway, served on 127.0.0.1 (`.url`) for one test."""
     gw = FakeGateway()
     server = await aiohttp_server(gw.app())
     gw.url = str(server.make_url(""))  # type: ignore[attr-defined]
     return gw
+
+
+@pytest.fixture
+async def fake(aiohttp_server: Any) -> Any:
+    return await start_fake(aiohttp_server)
 
 
 @pytest.fixture
