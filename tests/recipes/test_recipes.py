@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import pytest
 import yaml
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
+from gateway.client import GatewayClient, LeaseLost
 from tests.harness import REPO_ROOT, GatewayProcess, RecordingUpstream
 from tests.mcp.conftest import McpServerProcess, McpServerView
 from tests.recipes.environments import venv_python
@@ -178,6 +182,27 @@ class TestMcpClients:
         assert await run_recipe(recipe, gateway, tmp_path, str(python)) == recipe.output
         assert server.effects("send_email") == [{"effect": "send_email", "to": "bob", "text": "hi"}]
         await self._one_fenced_call(gateway, server)
+
+    async def test_a_lost_lease_sends_no_tool_call_through_the_sdk(self, tools: Tools) -> None:
+        """Not a README example: what the MCP SDK does when `auth=` refuses to send. The call is
+        cancelled and LeaseLost leaves the connection's `async with` (in an exception group,
+        from the SDK's task group); no tool call reaches the server."""
+        gateway, _, server = tools
+        async with GatewayClient(gateway.url) as gw:
+            lease = gw.lease("mailbox/alice", owner="run-8f21", ttl_s=1, auto_renew=False)
+            await lease.acquire()
+            url = f"{gateway.url}/mail-mcp/mcp"
+            with pytest.raises(ExceptionGroup) as caught:
+                async with (
+                    httpx2.AsyncClient(auth=lease.auth()) as http,
+                    Client(streamable_http_client(url, http_client=http)) as mcp,
+                ):
+                    await asyncio.sleep(1.1)  # past the TTL, with no renewal
+                    await mcp.call_tool("send_email", {"to": "bob", "text": "late"})
+            assert caught.group_contains(LeaseLost)
+            await lease.release()
+        assert server.effects() == []
+        assert not any('"tools/call"' in r["body"] for r in server.requests())
 
     @staticmethod
     async def _one_fenced_call(gateway: GatewayProcess, server: McpServerView) -> None:
