@@ -129,6 +129,37 @@ class TestLeaseAuth:
         assert "Proxy-Authorization" not in call.headers
 
 
+class TestRedirects:
+    """What the README says of redirects: the callable sees the first request only, so a
+    redirect that httpx or httpx2 follows to another origin keeps every header of it, the key
+    included; requests keeps the fence headers and drops Proxy-Authorization."""
+
+    @pytest.mark.parametrize("library", ["httpx", "httpx2", "requests"])
+    async def test_headers_that_follow_a_redirect_to_another_origin(
+        self, fake: FakeGateway, library: str
+    ) -> None:
+        elsewhere = fake.url.replace("127.0.0.1", "localhost") + "/tool/send"
+        url = f"{fake.url}/tool/moved?to={elsewhere}"
+        async with (
+            GatewayClient(fake.url, key="sekret") as gw,
+            gw.lease(RESOURCE, owner="run-1", ttl_s=30) as lease,
+        ):
+            auth = lease.auth()
+            if library == "requests":
+                status = await asyncio.to_thread(
+                    lambda: requests.post(url, json={}, auth=auth, timeout=10).status_code
+                )
+            else:
+                module: Any = httpx if library == "httpx" else httpx2
+                async with module.AsyncClient(auth=auth, follow_redirects=True) as client:
+                    status = (await client.post(url, json={})).status_code
+        assert status == 200
+        [followed] = fake.of("POST", "/tool/send")
+        assert followed.headers["X-Fence-Token"] == "1"
+        key = followed.headers.get("Proxy-Authorization")
+        assert key == (None if library == "requests" else "Bearer sekret")
+
+
 class TestFencedAuth:
     """`fenced_auth` does the same for a fence issued elsewhere."""
 

@@ -184,6 +184,8 @@ class FakeGateway:
             return _problem(409, "stale_fence", resource=resource)
         if request.path.endswith("/missing"):
             return web.Response(status=404, text="no such thing")
+        if request.path.endswith("/moved"):  # a tool that redirects where `?to=` says
+            return web.Response(status=307, headers={"Location": request.query["to"]})
         return web.json_response({"ok": True}, headers={"X-Receipt-Id": "r-1"})
 
 
