@@ -182,6 +182,10 @@ class TestAcquire:
         assert (type(caught.value), caught.value.code) == (GatewayError, "resource_not_allowed")
         assert len(fake.of("POST")) == 1
 
+    def test_a_body_given_twice_is_refused_before_sending(self) -> None:
+        with pytest.raises(TypeError, match="not both"):
+            SyncGatewayClient("http://127.0.0.1:9").request("POST", "/x", json={}, data=b"")
+
     def test_a_base_url_that_is_not_http_is_refused(self) -> None:
         with pytest.raises(ValueError, match="ftp://x"):
             SyncGatewayClient("ftp://x")

@@ -231,6 +231,8 @@ class SyncGatewayClient:
     ) -> Response:
         """A proxied call; gateway problem+json raises, any upstream answer is returned.
         `json` or `data` is the body; `timeout_s` (default: the client's) bounds each wait."""
+        if json is not None and data is not None:
+            raise TypeError("pass the body as json= or as data=, not both")
         hdrs = {**(headers or {}), **self.proxy_headers()}
         body = data.encode() if isinstance(data, str) else data
         if json is not None:
