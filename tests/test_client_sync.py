@@ -131,6 +131,21 @@ class TestLeaseLost:
         assert len(fake.of("PUT", "/tool/send")) == 1
 
 
+class TestFencedCalls:
+    """Upstream answers come back as values; only the gateway's own problems raise."""
+
+    async def test_an_upstream_error_is_returned_not_raised(self, fake: FakeGateway) -> None:
+        def run() -> tuple[int, str, bool, int]:
+            with SyncGatewayClient(fake.url) as gw, gw.lease(RESOURCE, "run-1", 30) as lease:
+                missing = lease.delete("/tool/missing")
+                found = lease.get("/tool/thing", params={"q": "a b"})
+                return missing.status, missing.text(), lease.lost, found.status
+
+        assert await off_loop(run) == (404, "no such thing", False, 200)
+        [get] = fake.of("GET", "/tool/thing")
+        assert get.query == {"q": "a b"} and get.headers["X-Fence-Token"] == "1"
+
+
 class TestAcquire:
     """The same polite acquire as the async client: LeaseHeld, Retry-After, a lost answer."""
 
