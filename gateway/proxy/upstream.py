@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config.policy import Upstream
+from gateway.config.tls import ssl_context_for
 from gateway.core import errors
 from gateway.core.outcomes import Outcome
 from gateway.proxy.headers import HOP_BY_HOP, connection_named
@@ -341,7 +341,9 @@ def _client_session(upstream: Upstream, traces: list[aiohttp.TraceConfig]) -> ai
     """A session of `upstream`'s own: its pool and limits, bytes passed on as they are."""
     session = aiohttp.ClientSession(
         connector=_CallConnector(
-            limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
+            limit=upstream.max_connections,
+            # plain http has no use for it; ssl=True would be aiohttp's own default context
+            ssl=ssl_context_for(upstream.tls) if upstream.url.startswith("https:") else True,
         ),
         request_class=_CheckedRequest,
         auto_decompress=False,
@@ -355,16 +357,6 @@ def _client_session(upstream: Upstream, traces: list[aiohttp.TraceConfig]) -> ai
     # that retry is switched off (there is no public switch).
     session._retry_connection = False
     return session
-
-
-def _ssl_context(upstream: Upstream) -> ssl.SSLContext | None:
-    """The upstream's TLS settings; None for plain http."""
-    if not upstream.url.startswith("https:"):
-        return None
-    context = ssl.create_default_context(cafile=upstream.tls.ca_file)
-    if upstream.tls.cert_file:
-        context.load_cert_chain(upstream.tls.cert_file, upstream.tls.key_file)
-    return context
 
 
 def require_no_resend_switch() -> None:
