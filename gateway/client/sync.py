@@ -51,7 +51,8 @@ class SyncGatewayClient:
             lease.post("/tool/send", json={...})
 
     `key` goes out as on `GatewayClient`; `ssl_context` verifies an `https://` gateway (the
-    system's CAs by default); `timeout_s` bounds each socket operation of a proxied call.
+    system's CAs by default) and presents the client certificate loaded into it, if any;
+    `timeout_s` bounds each socket operation of a proxied call.
     """
 
     def __init__(

@@ -1,13 +1,15 @@
 """`SyncGatewayClient` against a real gateway process (docs/contract.md §20): a fenced call,
 a checkpoint and the run view a successor reads; LeaseHeld while another worker holds the
 resource; a lease revoked under a running worker is lost at its next renewal, and its next call
-raises LeaseLost without reaching the tool. And `lease.auth()` of a lease taken over: the
-gateway, not the callable, refuses the stale fence."""
+raises LeaseLost without reaching the tool. `lease.auth()` of a lease taken over: the gateway,
+not the callable, refuses the stale fence. And HTTPS, with a client certificate (§22)."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,14 +18,15 @@ import requests
 
 from gateway.client import LeaseHeld, LeaseLost, SyncGatewayClient
 from tests.harness import GatewayFactory, GatewayProcess, RecordingUpstream, make_policy
+from tests.tls.certs import Authority, client_context
 
 RESOURCE = "task/run-1"
+RULE = {"match": "task/*", "lease": {"issuer": "gateway", "ttl_s": 30, "max_ttl_s": 60}}
 
 
 @pytest.fixture
 async def gateway(gateway_factory: GatewayFactory, upstream: RecordingUpstream) -> GatewayProcess:
-    rule = {"match": "task/*", "lease": {"issuer": "gateway", "ttl_s": 30, "max_ttl_s": 60}}
-    return await gateway_factory(make_policy(upstream.url, [rule]))
+    return await gateway_factory(make_policy(upstream.url, [RULE]))
 
 
 async def revoke(gateway: GatewayProcess, resource: str) -> None:
@@ -106,3 +109,34 @@ class TestSyncClientE2E:
 
         assert await asyncio.to_thread(run) == (409, "stale_fence")
         assert upstream.received() == []
+
+    async def test_over_https_with_a_client_certificate(
+        self, tmp_path: Path, upstream: RecordingUpstream, gateway_factory: GatewayFactory
+    ) -> None:
+        ca = Authority(tmp_path / "pki")
+        env = {
+            "GATEWAY_TLS_CERT": str((pair := ca.issue("gateway")).cert),
+            "GATEWAY_TLS_KEY": str(pair.key),
+            "GATEWAY_TLS_CLIENT_CA": str(ca.cert),
+        }
+        agent = client_context(ca.cert, ca.issue("agent", client=True))
+        gateway = await gateway_factory(make_policy(upstream.url, [RULE]), extra_env=env, tls=agent)
+
+        def run() -> int:
+            with (
+                SyncGatewayClient(gateway.url, ssl_context=agent) as gw,
+                gw.lease(RESOURCE, owner="run-a", ttl_s=30) as lease,
+            ):
+                return lease.post("/tool/send", json={"text": "hi"}).status
+
+        def without_a_certificate() -> None:
+            SyncGatewayClient(gateway.url, ssl_context=client_context(ca.cert)).acquire(
+                RESOURCE, "run-b"
+            )
+
+        assert gateway.url.startswith("https://")
+        assert await asyncio.to_thread(run) == 200
+        with pytest.raises((ssl.SSLError, ConnectionError)):  # the handshake is refused
+            await asyncio.to_thread(without_a_certificate)
+        [call] = upstream.received()
+        assert (call.fence, call.headers["X-Forwarded-Proto"]) == (1, "https")
