@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import httpx2
 import pytest
+import pytest_asyncio
 import yaml
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -110,35 +111,45 @@ def mcp_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpServerP
         server.kill()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tools(
-    tmp_path: Path, mcp_process: McpServerProcess
-) -> AsyncIterator[tuple[GatewayProcess, RecordingUpstream, McpServerView]]:
+    tmp_path_factory: pytest.TempPathFactory, mcp_process: McpServerProcess
+) -> AsyncIterator[tuple[GatewayProcess, RecordingUpstream]]:
     """The gateway on the shipped policies, `deploy` at a recording upstream and `mail-mcp`
-    at the MCP server; a fresh database, so each example's first fence is 1."""
-    if not mcp_process.alive():
-        mcp_process.start()
+    at the MCP server, shared by the module's tests: each example acts on a resource of its
+    own, so each one's first fence is 1."""
+    workdir = tmp_path_factory.mktemp("gateway")
     async with RecordingUpstream(base_path="") as deploy:
         urls = {"deploy": deploy.url, "mail-mcp": mcp_process.url}
-        gateway = GatewayProcess(tmp_path, shipped_policies(tmp_path, urls))
+        gateway = GatewayProcess(workdir, shipped_policies(workdir, urls))
         await gateway.start()
         try:
-            yield gateway, deploy, McpServerView(mcp_process)
+            yield gateway, deploy
         finally:
             gateway.kill9_sync()
 
 
-Tools = tuple[GatewayProcess, RecordingUpstream, McpServerView]
+@pytest.fixture
+def server(mcp_process: McpServerProcess) -> McpServerView:
+    """The MCP server as one test sees it: what it logged since the test began."""
+    return McpServerView(mcp_process)
 
 
+Tools = tuple[GatewayProcess, RecordingUpstream]
+
+
+SHARED_LOOP = pytest.mark.asyncio(loop_scope="module")  # the loop the shared tools run on
+
+
+@SHARED_LOOP
 class TestHttpClients:
     """requests and httpx with `auth=lease.auth()` against a fenced HTTP tool."""
 
     async def test_requests(self, tools: Tools, tmp_path: Path) -> None:
-        gateway, deploy, _ = tools
+        gateway, deploy = tools
         recipe = readme_recipes()["deploy_requests.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
-        [call] = deploy.received()
+        [call] = [c for c in deploy.received() if c.resource == "deploy/staging"]
         assert (call.method, call.path, json.loads(call.body)) == (
             "POST",
             "/releases",
@@ -147,49 +158,57 @@ class TestHttpClients:
         assert (call.resource, call.fence) == ("deploy/staging", 1)
 
     async def test_httpx_and_a_lost_lease(self, tools: Tools, tmp_path: Path) -> None:
-        gateway, deploy, _ = tools
+        gateway, deploy = tools
         recipe = readme_recipes()["deploy_httpx.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
-        [call] = deploy.received()  # the call after the loss never reached the tool
+        # the call after the loss never reached the tool
+        [call] = [c for c in deploy.received() if c.resource == "deploy/canary"]
         assert (call.fence, json.loads(call.body)) == (1, {"version": "1.4.2"})
-        [receipt] = await receipts(gateway, "deploy/staging")
+        [receipt] = await receipts(gateway, "deploy/canary")
         assert receipt["status"] == "succeeded"
 
 
+@SHARED_LOOP
 class TestMcpClients:
     """MCP tool calls through the gateway, fenced by `auth=` or by `_meta`."""
 
-    async def test_the_mcp_sdk_over_httpx2(self, tools: Tools, tmp_path: Path) -> None:
-        gateway, _, server = tools
+    async def test_the_mcp_sdk_over_httpx2(
+        self, tools: Tools, server: McpServerView, tmp_path: Path
+    ) -> None:
+        gateway, _ = tools
         recipe = readme_recipes()["mcp_sdk.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         assert server.effects("send_email") == [
             {"effect": "send_email", "to": "bob", "text": "the deploy is done"}
         ]
-        await self._one_fenced_call(gateway, server)
+        await self._one_fenced_call(gateway, server, "mailbox/alice")
 
-    async def test_pydantic_ai(self, tools: Tools, tmp_path: Path) -> None:
-        gateway, _, server = tools
+    async def test_pydantic_ai(self, tools: Tools, server: McpServerView, tmp_path: Path) -> None:
+        gateway, _ = tools
         recipe = readme_recipes()["pydantic_ai_agent.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         assert server.effects("send_email") == [{"effect": "send_email", "to": "bob", "text": "hi"}]
-        await self._one_fenced_call(gateway, server)
+        await self._one_fenced_call(gateway, server, "mailbox/carol")
 
-    async def test_langchain_mcp_adapters(self, tools: Tools, tmp_path: Path) -> None:
-        gateway, _, server = tools
+    async def test_langchain_mcp_adapters(
+        self, tools: Tools, server: McpServerView, tmp_path: Path
+    ) -> None:
+        gateway, _ = tools
         python = await asyncio.to_thread(venv_python, LANGCHAIN_REQUIREMENTS)
         recipe = readme_recipes()["langchain_agent.py"]
         assert await run_recipe(recipe, gateway, tmp_path, str(python)) == recipe.output
         assert server.effects("send_email") == [{"effect": "send_email", "to": "bob", "text": "hi"}]
-        await self._one_fenced_call(gateway, server)
+        await self._one_fenced_call(gateway, server, "mailbox/dave")
 
-    async def test_a_lost_lease_sends_no_tool_call_through_the_sdk(self, tools: Tools) -> None:
+    async def test_a_lost_lease_sends_no_tool_call_through_the_sdk(
+        self, tools: Tools, server: McpServerView
+    ) -> None:
         """Not a README example: what the MCP SDK does when `auth=` refuses to send. The call is
         cancelled and LeaseLost leaves the connection's `async with` (in an exception group,
         from the SDK's task group); no tool call reaches the server."""
-        gateway, _, server = tools
+        gateway, _ = tools
         async with GatewayClient(gateway.url) as gw:
-            lease = gw.lease("mailbox/alice", owner="run-8f21", ttl_s=1, auto_renew=False)
+            lease = gw.lease("mailbox/erin", owner="run-8f21", ttl_s=1, auto_renew=False)
             await lease.acquire()
             url = f"{gateway.url}/mail-mcp/mcp"
             with pytest.raises(ExceptionGroup) as caught:
@@ -205,10 +224,12 @@ class TestMcpClients:
         assert not any('"tools/call"' in r["body"] for r in server.requests())
 
     @staticmethod
-    async def _one_fenced_call(gateway: GatewayProcess, server: McpServerView) -> None:
+    async def _one_fenced_call(
+        gateway: GatewayProcess, server: McpServerView, resource: str
+    ) -> None:
         """The tool call was admitted under fence 1 (a receipt), and what the server received
         carries no lease in `_meta` (the gateway takes it out)."""
-        [receipt] = await receipts(gateway, "mailbox/alice")
+        [receipt] = await receipts(gateway, resource)
         assert (receipt["fence"], receipt["status"], receipt["mcp"]["tool"]) == (
             1,
             "succeeded",
