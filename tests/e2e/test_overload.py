@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from gateway.config.policy_files import load_policies
@@ -378,3 +379,34 @@ async def test_calls_queued_on_a_connection_the_client_closed_are_not_counted_fo
             await asyncio.sleep(0.05)
         assert limit.in_flight == 0
         assert [r.path_qs for r in upstream.received()] == ["/api/slow"]
+
+
+@pytest.mark.both_parsers
+async def test_on_either_parser_a_shed_call_leaves_its_connection_in_step(
+    gateway_factory: GatewayFactory, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """`fence-gateway serve` itself, on aiohttp's C parser and its pure-Python one: shed calls
+    with bodies, alone and pipelined, then the next call on the same connection goes through
+    whole."""
+    gate = asyncio.Event()
+    upstream.script("/api/slow", Behavior(gate=gate))
+    gateway = await gateway_factory(
+        make_policy(upstream.url, [{"match": "job/*"}]), extra_env={"GATEWAY_MAX_INFLIGHT": "1"}
+    )
+    held = asyncio.create_task(
+        call(session, "POST", f"{gateway.url}/tool/slow", headers=fenced_headers("job/a", 1))
+    )
+    await upstream.wait_received(1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(fenced_post("/tool/one", b'{"n": 1}', X_Request_Id="alone"))
+    status, headers, body = await read_answer(reader)
+    assert status == 503 and headers["x-request-id"] == "alone"
+    assert json.loads(body)["code"] == "overloaded"
+    writer.write(fenced_post("/tool/two", b"[2]") + fenced_post("/tool/three", b"[3]"))
+    assert [(await read_answer(reader))[0] for _ in range(2)] == [503, 503]
+    gate.set()
+    assert (await held).status == 200
+    writer.write(fenced_post("/tool/four", b'{"n": 4}'))
+    assert (await read_answer(reader))[0] == 200
+    writer.close()
+    assert [(r.path_qs, r.body) for r in upstream.received()][1:] == [("/api/four", b'{"n": 4}')]
