@@ -89,8 +89,9 @@ def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
     return None
 
 
-def _wire(answer: ShedAnswer, *, close: bool) -> bytes:
-    """A shed call's answer as the server writes it, with the headers aiohttp would add."""
+def _wire(answer: ShedAnswer, *, close: bool, to_head: bool) -> bytes:
+    """A shed call's answer as the server writes it, with the headers aiohttp would add (and
+    no body after them when it answers a HEAD, which HTTP says has none)."""
     lines = ["HTTP/1.1 503 Service Unavailable"]
     lines += [f"{name}: {value}" for name, value in answer.headers]
     lines += [
@@ -100,7 +101,7 @@ def _wire(answer: ShedAnswer, *, close: bool) -> bytes:
     ]
     if close:
         lines.append("Connection: close")
-    return "\r\n".join(lines).encode() + b"\r\n\r\n" + answer.body
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if to_head else answer.body)
 
 
 def _answering(answer: ShedAnswer) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
@@ -120,13 +121,15 @@ class _AdmittingParser:
 
     __slots__ = ("_parser", "_take")
 
-    def __init__(self, parser: Any, take: Callable[[Sequence[_MsgType]], list[_MsgType]]) -> None:
+    def __init__(
+        self, parser: Any, take: Callable[[Sequence[_MsgType], bool], list[_MsgType]]
+    ) -> None:
         self._parser = parser
         self._take = take
 
     def feed_data(self, data: bytes) -> tuple[Sequence[_MsgType], bool, bytes]:
         messages, upgraded, tail = self._parser.feed_data(data)
-        return (self._take(messages) if messages else messages), upgraded, tail
+        return (self._take(messages, upgraded) if messages else messages), upgraded, tail
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._parser, name)
@@ -155,11 +158,13 @@ class _GatewayRequestHandler(RequestHandler):
         elif self._current_request is None and not self._messages:
             self._start_head_timer()  # bytes of a new head: it has a deadline
 
-    def _take(self, messages: Sequence[_MsgType]) -> list[_MsgType]:
+    def _take(self, messages: Sequence[_MsgType], upgraded: bool) -> list[_MsgType]:
         """The requests just parsed, as aiohttp is to queue them: those the module's docstring
         refuses turned into the parser errors they should have been, and GATEWAY_MAX_INFLIGHT
         applied to the others (gateway.server.overload). A shed call with nothing ahead of it
-        on the connection is answered here and left out: no request object, no task."""
+        on the connection is answered here and left out: no request object, no task. `upgraded`:
+        the parser took what follows the last of them for another protocol (an upgrade, or
+        CONNECT), which aiohttp undoes only once it has answered that request itself."""
         now = self._loop.time()
         taken: list[_MsgType] = []
         for message, payload in messages:
@@ -171,8 +176,12 @@ class _GatewayRequestHandler(RequestHandler):
                 taken.append((_ErrInfo(400, refusal, refusal.message), payload))
                 continue
             verdict = self.inflight.admit(message, now)
-            if isinstance(verdict, ShedAnswer) and self._can_answer_now(messages, message, payload):
-                self._answer_now(verdict, close=message.should_close)
+            if (
+                isinstance(verdict, ShedAnswer)
+                and not upgraded
+                and self._can_answer_now(messages, message, payload)
+            ):
+                self._answer_now(verdict, message)
                 continue
             if verdict is not False:  # answered in turn, when aiohttp has made its request
                 self._verdicts[id(message)] = (message, now if verdict is True else verdict)
@@ -185,8 +194,8 @@ class _GatewayRequestHandler(RequestHandler):
         """Whether a shed call can be answered before aiohttp sees it: it is the only request
         read, nothing is being answered on the connection nor queued (aiohttp's loop waits for
         a request), its body is all in (so the next request's bytes are where the parser
-        expects them), it is HTTP/1.1 and no upgrade (whose bytes aiohttp's parser treats
-        apart), and the client reads its answers (its writes are not paused)."""
+        expects them), it is HTTP/1.1, and the client reads its answers (its writes are not
+        paused)."""
         waiter = self._waiter
         return (
             len(messages) == 1
@@ -195,14 +204,14 @@ class _GatewayRequestHandler(RequestHandler):
             and not self._messages
             and payload.is_eof()
             and message.version == HttpVersion11
-            and "Upgrade" not in message.headers
             and not self.writing_paused
             and self.transport is not None
         )
 
-    def _answer_now(self, answer: ShedAnswer, *, close: bool) -> None:
+    def _answer_now(self, answer: ShedAnswer, message: RawRequestMessage) -> None:
         assert self.transport is not None
-        self.transport.write(_wire(answer, close=close))
+        close = message.should_close
+        self.transport.write(_wire(answer, close=close, to_head=message.method == "HEAD"))
         self._request_count += 1  # a request handled: its head timer is done
         if close:
             self.force_close()  # the client asked: the answer is flushed first

@@ -307,6 +307,24 @@ async def test_a_shed_call_that_asked_to_close_is_answered_and_closed(
         await held
 
 
+async def test_a_shed_head_request_is_answered_without_a_body(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        made = gateway.requests_made[0]
+        reader, writer = await gateway.connect()
+        writer.write(b"HEAD /tool/page HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nContent-Length: " in head
+        assert gateway.requests_made[0] == made
+        gate.set()
+        assert (await held).status == 200
+        writer.write(b"GET /_gateway/healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200  # no stray body before it
+        writer.close()
+
+
 async def test_upgrades_are_shed_and_the_gateway_paths_are_not(
     tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
 ) -> None:
@@ -320,6 +338,14 @@ async def test_upgrades_are_shed_and_the_gateway_paths_are_not(
         )
         status, _, body = await read_answer(reader)
         assert status == 503 and json.loads(body)["code"] == "overloaded"
+        writer.close()
+        # CONNECT switches the parser to a tunnel as upgrades do: shed, and in step after
+        reader, writer = await gateway.connect()
+        writer.write(b"CONNECT tool.example:443 HTTP/1.1\r\nHost: tool.example:443\r\n\r\n")
+        status, _, body = await read_answer(reader)
+        assert status == 503 and json.loads(body)["code"] == "overloaded"
+        writer.write(b"GET /_gateway/healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200
         writer.close()
         for path in ("/_gateway/healthz", "/_gateway/v1/receipts?resource=job/a"):
             assert (await call(session, "GET", gateway.url + path)).status == 200
