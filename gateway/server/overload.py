@@ -91,11 +91,10 @@ class InflightLimit:
     __slots__ = (
         "_adaptive",
         "_last_log",
+        "_metrics",
         "_policies",
         "_prepared",
-        "_rejected",
         "_shed_since_log",
-        "_shed_total",
         "in_flight",
         "limit",
     )
@@ -106,8 +105,7 @@ class InflightLimit:
         self.in_flight = 0
         self._policies = policies
         self._prepared = _prepare()
-        self._shed_total = metrics.rejections_of("-", "overloaded")  # "-": never routed
-        self._rejected = metrics.requests_of("-", "rejected")
+        self._metrics = metrics
         self._shed_since_log = 0
         self._last_log = float("-inf")
 
@@ -139,8 +137,9 @@ class InflightLimit:
         self.in_flight -= 1
 
     def _shed(self, message: RawRequestMessage, now: float) -> ShedAnswer:
-        self._shed_total.inc()
-        self._rejected.inc()
+        # "-": never routed; the children appear with the first shed call (cached by Metrics)
+        self._metrics.rejections_of("-", "overloaded").inc()
+        self._metrics.requests_of("-", "rejected").inc()
         self._shed_since_log += 1
         if now - self._last_log >= _LOG_EVERY_S:
             logs.event(
