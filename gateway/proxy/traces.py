@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import RawRequestMessage
 from multidict import CIMultiDict
 from opentelemetry import trace
 from opentelemetry.propagate import get_global_textmap
@@ -126,14 +127,19 @@ class Tracing:
         call.end(response.status, None, response.headers.get(RECEIPT_HEADER))
         return response
 
-    def shed(self, request: web.Request, status: int) -> None:
-        """A call the overload limit answered before anything else: a span that says so."""
-        found = self._policies.route(request.raw_path.partition("?")[0])
+    def shed(self, message: RawRequestMessage, status: int) -> None:
+        """A call the overload limit answered from its parsed head, before anything else (no
+        request object exists for it): a span that says so."""
+        found = self._policies.route(message.path.partition("?")[0])
+        mount = found[0].mount if found is not None else None
+        attributes = {"http.request.method": message.method}
+        if mount is not None:
+            attributes["http.route"] = mount
         span = self.tracer.start_span(
-            span_name(request.method, found[0].mount if found is not None else None),
-            context=self.propagator.extract(request.headers),
+            span_name(message.method, mount),
+            context=self.propagator.extract(message.headers),
             kind=SpanKind.SERVER,
-            attributes=_http_attributes(request, found[0].mount if found is not None else None),
+            attributes=attributes,
         )
         decision = decision_of("overloaded", admitted=False, replayed=False)
         span.set_attributes(

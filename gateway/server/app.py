@@ -28,11 +28,11 @@ def create_app(
     settings: Settings, policies: PolicySet, clients: Clients | None = None
 ) -> web.Application:
     app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
-    overload.install(app, settings.max_inflight)  # GATEWAY_MAX_INFLIGHT: first of all
     app[appkeys.CLIENTS] = clients
     app[appkeys.SETTINGS] = settings
     app[appkeys.POLICIES] = policies
     app[appkeys.METRICS] = Metrics()
+    overload.install(app, settings.max_inflight)  # applied by the HTTP server, on each head
     app[appkeys.LANES] = Lanes()
     app[appkeys.IN_FLIGHT] = set()
     sessions.install(app)  # fenced WebSockets: the open ones, and their end at shutdown
