@@ -114,6 +114,13 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.store_epochs = Counter(
+            "fence_gateway_store_epochs_total",
+            "New store epochs this replica recorded (a failover, a restore), by whether the "
+            "fence floor was applied",
+            ["floor"],
+            registry=registry,
+        )
 
         # What every proxied call counts with, by label values: the child is made on first
         # use, then found by a dict lookup (`labels()` checks its values and takes a lock).

@@ -26,6 +26,7 @@ from aiohttp import web
 from gateway.core.liveness import SILENT_INTERVALS
 from gateway.observe import logs
 from gateway.proxy import appkeys
+from gateway.upkeep import failover
 from gateway.upkeep.cleanup import Cleaner
 from gateway.upkeep.periodic import every
 from gateway.upkeep.reconcile import wait_times
@@ -78,10 +79,14 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def heartbeat(app: web.Application) -> None:
-    """Renew this instance's heartbeat; say so when the store made it go on under a new id."""
+    """Renew this instance's heartbeat; say so when the store made it go on under a new id,
+    and what became of the store's epochs and replication meanwhile (`failover.report`)."""
     store = app[appkeys.STORE]
     before = store.instance
-    await store.heartbeat()
+    try:
+        await store.heartbeat()
+    finally:
+        failover.report(app)
     if store.instance != before:
         logs.event(
             "instance_lapsed",
