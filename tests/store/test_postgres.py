@@ -108,7 +108,7 @@ class TestDurability:
             start_timeout_s=0,  # one try of each host (a replica tries for a minute)
         )
         assert isinstance(store, PostgresStore)
-        with pytest.raises(StoreUnavailable, match="cannot connect.*127.0.0.1:1: "):
+        with pytest.raises(StoreUnavailable, match=r"cannot connect.*127\.0\.0\.1:1: "):
             await store.open()
 
 
