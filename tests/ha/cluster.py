@@ -294,18 +294,31 @@ class Cluster:
         return found[-1]
 
     def wait_streaming(self, count: int, timeout: float = 60.0) -> None:
-        """Until `count` standbys stream from the primary."""
+        """Until `count` standbys are up and stream from the primary (a standby still being
+        copied by pg_basebackup has a walsender too: its name is not the node's)."""
 
         def streaming() -> bool:
             primary = self.primary()
             if primary is None:
                 return False
             rows = self.sql(
-                primary, "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
+                primary,
+                "SELECT application_name FROM pg_stat_replication WHERE state = 'streaming'",
             )
-            return bool(rows) and int(rows[0][0]) >= count
+            names = {row[0] for row in rows}
+            up = [n for n in self.nodes if n.name in names and n.process is not None]
+            return len(up) >= count and all(self.sql(n, "SELECT 1") == [["1"]] for n in up)
 
         self._wait(streaming, timeout)
+
+    def create_database(self, name: str, timeout: float = 30.0) -> None:
+        """A database on the primary, once every running standby has it too."""
+        self.sql(self.wait_primary(), f"CREATE DATABASE {name}")
+        query = f"SELECT 1 FROM pg_database WHERE datname = '{name}'"
+        self._wait(lambda: all(self.sql(n, query) == [["1"]] for n in self.standbys()), timeout)
+
+    def drop_database(self, name: str) -> None:
+        self.sql(self.wait_primary(), f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     def _writable(self, node: Node) -> bool:
         rows = self.sql(node, "SELECT pg_is_in_recovery()")
