@@ -150,7 +150,7 @@ class PrimaryLink:
         if why is not None:  # recorded on this server alone: judged again next time
             raise StoreUnavailable(f"the new store epoch could not be recorded: {why}")
         self.epoch, self._highest_lsn = epoch, seen.lsn
-        if change is not None:
+        if change is not None and change.previous is not None:  # the first is no change
             self.changes.append(change)
 
     def saw_position(self, lsn: int) -> None:

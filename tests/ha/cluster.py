@@ -216,16 +216,18 @@ class Cluster:
         )
 
     def stop_node(self, node: Node) -> None:
-        """kill -9 of the node's Patroni and its postmaster (and so its backends)."""
+        """kill -9 of the node's Patroni, its postmaster and every process of it, as when
+        its machine fails (a walsender left alive would still send what it holds)."""
         pid = node.postmaster_pid()
         if node.process is not None and node.process.poll() is None:
             node.process.kill()
             node.process.wait()
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+            for victim in [pid, *map(int, children.stdout.split())]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
             self._wait(lambda: not _alive(pid), 10)
-        # the backends of a killed postmaster end when they notice it is gone
         if node.log is not None:
             node.log.close()
             node.log = None
