@@ -147,11 +147,13 @@ class PrimaryLink:
             if not conn.is_closed():
                 await conn.execute("ROLLBACK")
             raise
-        if why is not None:  # recorded on this server alone: judged again next time
-            raise StoreUnavailable(f"the new store epoch could not be recorded: {why}")
+        # Recorded, if on this server alone (`why`): should a failover lose it, the next
+        # server is judged again.
         self.epoch, self._highest_lsn = epoch, seen.lsn
         if change is not None and change.previous is not None:  # the first is no change
             self.changes.append(change)
+        if why is not None:
+            raise StoreUnavailable(f"the new store epoch is not replicated yet: {why}")
 
     def saw_position(self, lsn: int) -> None:
         """A WAL position read from the server of the current epoch (the heartbeat's)."""

@@ -278,6 +278,19 @@ class Cluster:
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
+    def sync_standby(self, timeout: float = 30.0) -> Node:
+        """The standby Patroni made synchronous (under synchronous_mode)."""
+        found: list[Node] = []
+
+        def named() -> bool:
+            found.extend(
+                self.node(m["name"]) for m in self.members() if m.get("role") == "sync_standby"
+            )
+            return bool(found)
+
+        self._wait(named, timeout)
+        return found[0]
+
     def standbys(self) -> list[Node]:
         leader = self.primary()
         return [n for n in self.nodes if n is not leader and n.process is not None]
@@ -359,7 +372,8 @@ class Cluster:
     def switchover(self, timeout: float = 60.0) -> tuple[Node, Node]:
         """A planned switchover to a standby; (old, new) primaries once the new one writes."""
         old = self.wait_primary(timeout)
-        candidate = next(n for n in self.standbys())
+        # under synchronous_mode Patroni switches over to the synchronous standby only
+        candidate = self.sync_standby() if self.synchronous else self.standbys()[0]
         answers: list[Any] = []
 
         def accepted() -> bool:  # 412 until Patroni has seen the candidate healthy

@@ -76,7 +76,8 @@ async def fenced(
         f"{gateway.url}/tool/op",
         label=tag,
         data=f'{{"call": "{tag}"}}'.encode(),
-        headers=fenced_headers(resource, fence, **{"Idempotency-Key": tag}),
+        # a fresh key each time: a call asked again after a 503 is a new call
+        headers=fenced_headers(resource, fence, **{"Idempotency-Key": secrets.token_hex(8)}),
     )
 
 
