@@ -8,15 +8,18 @@ import asyncio
 import contextlib
 import secrets
 import struct
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 from gateway.core.errors import StoreUnavailable
 from gateway.store.base import Admitted, Refused
 from gateway.store.postgres import PostgresStore
-from tests.ha.cluster import Cluster
+from tests.ha.cluster import PG_BIN, Cluster
+from tests.pg import create_database, drop_database, url_of
 from tests.store.test_contract import call, ok
 
 asyncpg = pytest.importorskip("asyncpg")
@@ -153,6 +156,45 @@ class TestEpochs:
         finally:
             await asyncio.gather(*(s.close() for s in stores))
             async_cluster.wait_streaming(1)
+
+
+class TestRestoredIntoAnotherCluster:
+    async def test_a_dump_restored_into_another_cluster_applies_the_floor_at_first_start(
+        self, async_cluster: Cluster, database: str, tmp_path: Path
+    ) -> None:
+        source = create_database()  # the machine's own PostgreSQL: another system identifier
+        try:
+            before = store_on(url_of(source))
+            await before.open()
+            try:
+                assert isinstance(await before.admit(call(40, resource="ext/1")), Admitted)
+                await before.acquire("gw/1", "w1", 60, 0, None, None)
+            finally:
+                await before.close()
+            dump = tmp_path / "store.dump"
+            subprocess.run(
+                [str(PG_BIN / "pg_dump"), "--format=custom", f"--file={dump}", url_of(source)],
+                check=True,
+            )
+        finally:
+            drop_database(source)
+        target = async_cluster.url(database)
+        subprocess.run(
+            [str(PG_BIN / "pg_restore"), "--no-owner", f"--dbname={target}", str(dump)],
+            check=True,
+        )
+        store = store_on(target)
+        await store.open()  # no command run: the first start finds the new epoch
+        try:
+            [change] = store.drain_epoch_changes()
+            assert change.reason == "another cluster (a new system identifier)"
+            assert change.floor is not None and change.floor.floor == 1_000_040
+            refused = await store.admit(call(41, resource="ext/1", key="k9"))
+            assert isinstance(refused, Refused) and refused.code == "stale_fence"  # on hold
+            lease = await store.acquire("gw/2", "w2", 60, 0, None, None)
+            assert lease.lease.fence == 1_000_040
+        finally:
+            await store.close()
 
 
 async def until_it_answers(store: PostgresStore, i: int, timeout: float = 60) -> object:
