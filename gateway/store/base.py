@@ -18,6 +18,7 @@ from gateway.core.cleanups import CleanupClaim, OwedCleanup
 from gateway.core.epochs import StoreEpoch
 from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.fences import Issuer
+from gateway.core.floors import Floors
 from gateway.core.leases import Lease, Release
 from gateway.core.mcp import McpRecord
 from gateway.core.outcomes import Completion, Outcome
@@ -495,4 +496,8 @@ class Store(Protocol):
 
     async def latest_epoch_change(self) -> EpochChange | None:
         """The store's latest epoch and the one before it (None: it has none)."""
+        ...
+
+    async def fence_floors(self) -> Floors:
+        """The store-wide fence floors (§18): the floor, the restore epoch, the glob raises."""
         ...

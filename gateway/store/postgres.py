@@ -359,6 +359,9 @@ class PostgresStore:
     async def latest_epoch_change(self) -> EpochChange | None:
         return await self._run(pg_epochs.latest_change, writes=False)
 
+    async def fence_floors(self) -> floors.Floors:
+        return await self._run(postgres_floors.read_floors, writes=False)
+
     # -- life cycle ---------------------------------------------------------------------------
 
     async def open(self) -> None:

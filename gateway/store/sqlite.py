@@ -1005,3 +1005,6 @@ class SqliteStore:
 
     async def latest_epoch_change(self) -> EpochChange | None:
         return None
+
+    async def fence_floors(self) -> floors.Floors:
+        return await self._read(sqlite_floors.read_floors)

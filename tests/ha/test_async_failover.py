@@ -151,6 +151,10 @@ class TestAsyncFailover:
         on_hold = await fenced(session, a, "deploy/web", 25, "held")
         assert problem_summary(on_hold) == (409, "stale_fence")
         assert len(upstream.requests) == seen  # none of them reached the tool
+        async with session.get(f"{b.url}/_gateway/console") as resp:
+            overview = await resp.text()
+        assert "Latest store epoch change" in overview and "a new timeline" in overview
+        assert "<li><code>deploy/*</code></li>" in overview  # on hold
         # The next lease is issued above the floor; the external resource once raised.
         assert await acquire(session, b, "w3") >= 1_000_000
         raised = await call(
