@@ -68,6 +68,8 @@ async def commit(conn: Any, wait_s: float, cancel: Callable[[int], Awaitable[Non
             if not done:  # the server is gone too: the connection with it
                 pending.cancel()
                 conn.terminate()
+            elif pending.exception() is not None:  # the commit's fate is unknown: as lost
+                conn.terminate()
             return f"the commit waited longer than {wait_s}s for the synchronous standby"
         pending.result()
         await asyncio.sleep(0)  # notices are delivered through the loop, before the result

@@ -2,8 +2,8 @@
 
 Without Patroni or etcd on the machine these tests skip with one line, except on CI
 (`CI=true`), where they fail. A cluster is shared by the tests of one module (starting one
-takes about ten seconds); a test that breaks it leaves it whole again (the killed node
-rejoined) or asks for one of its own.
+takes about ten seconds), the asynchronous one by every module; a test that breaks it leaves
+it whole again (the killed node rejoined).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def start_cluster(size: int, synchronous: bool) -> Cluster:
     return cluster
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def async_cluster() -> Iterator[Cluster]:
     """Two nodes, asynchronous replication (Patroni's default)."""
     cluster = start_cluster(2, synchronous=False)
