@@ -96,16 +96,16 @@ class PrimaryLink:
         """Once at start, after the migration: the epoch (recorded when new), the mode every
         replica of the store runs in, and under `sync` a synchronous standby configured."""
         row = await conn.fetchrow(_OBSERVE)
-        await self._settle_epoch(conn, pg_epochs.epoch_of(row))
-        if self.epoch is not None and self.epoch.mode != self.mode:
-            await self._adopt_mode(conn, self.epoch, silent_after_s)
-        if self.sync:
+        if self.sync:  # first: a replica that cannot serve in sync records nothing
             problem = pg_sync.problem_of(row)
             if problem is not None:
                 raise PostgresStartupError(
                     f"GATEWAY_REPLICATION is sync, but on this server {problem}: configure a "
                     "synchronous standby (Patroni synchronous_mode_strict) or use async"
                 )
+        await self._settle_epoch(conn, pg_epochs.epoch_of(row))
+        if self.epoch is not None and self.epoch.mode != self.mode:
+            await self._adopt_mode(conn, self.epoch, silent_after_s)
         self._observing = True
 
     async def _adopt_mode(self, conn: Any, epoch: StoreEpoch, silent_after_s: float) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
+from gateway.store.postgres import PostgresStartupError, PostgresStore
 from tests.ha.cluster import Cluster
 from tests.ha.test_async_failover import (
     acquire,
@@ -139,6 +140,30 @@ class TestSyncChecks:
         # (its heartbeat waited for the standby too: the replica may have lapsed meanwhile)
         again = await until_answered(lambda: fenced(session, a, "deploy/web", 3, "three"))
         assert again.status == 200, again.body
+
+
+class TestOneMode:
+    async def test_a_replica_in_the_other_mode_exits_2_unless_none_other_is_alive(
+        self, sync_cluster: Cluster, database: str
+    ) -> None:
+        url = sync_cluster.url(database)
+        serving = PostgresStore(
+            url, instance="sync-1", heartbeat_interval_s=0.3, replication="sync"
+        )
+        await serving.open()
+        try:
+            other = PostgresStore(url, instance="async-1", heartbeat_interval_s=0.3)
+            with pytest.raises(PostgresStartupError, match="served in sync by 1 live instance"):
+                await other.open()
+        finally:
+            await serving.close()
+        await asyncio.sleep(1.0)  # three heartbeat intervals: sync-1 is no longer alive
+        alone = PostgresStore(url, instance="async-2", heartbeat_interval_s=0.3)
+        await alone.open()  # its mode is recorded, and counts from the next epoch on
+        await alone.close()
+        primary = sync_cluster.wait_primary()
+        rows = sync_cluster.sql(primary, "SELECT mode FROM store_epochs", database)
+        assert rows == [["async"]]
 
 
 @dataclass
