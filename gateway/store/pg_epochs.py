@@ -69,19 +69,24 @@ async def latest_change(conn: Any) -> EpochChange | None:
 
 async def record(
     conn: Any,
-    seen: Epoch,
     remembered: tuple[int, int] | None,
     mode: Mode,
     gap: int,
     instance: str,
-) -> tuple[StoreEpoch, EpochChange | None]:
+) -> tuple[StoreEpoch, EpochChange | None, Epoch]:
     """Inside a transaction: the epoch the server is in, recorded first when it is new (the
-    change, None when it was not new, or another replica recorded it first)."""
+    change, None when it was not new, or another replica recorded it first), and where the
+    server was seen.
+
+    `remembered` must have been read before this call: the server is seen again under the
+    lock, so a WAL position read on another connection meanwhile can never look like one
+    gone back."""
     await conn.execute("SELECT pg_advisory_xact_lock($1)", _EPOCH_LOCK)
+    seen = await see(conn)
     before = await latest(conn)
     verdict = epochs.judge(before, seen, remembered)
     if isinstance(verdict, Known):
-        return verdict.epoch, None
+        return verdict.epoch, None, seen
     report = None
     if verdict.floor:
         report = await postgres_floors.apply_restore(conn, gap, 0, error=FAILOVER_ERROR)
@@ -98,7 +103,7 @@ async def record(
         instance,
     )
     current = _store_epoch(row)
-    return current, EpochChange(before, current, verdict.reason, report)
+    return current, EpochChange(before, current, verdict.reason, report), seen
 
 
 async def others_alive(conn: Any, instance: str, silent_after_s: float) -> int:

@@ -136,11 +136,12 @@ class PrimaryLink:
         if known is not None and seen.same_server_line(known) and seen.lsn >= self._highest_lsn:
             self._highest_lsn = seen.lsn
             return
+        # What this replica read before: `record` sees the server again, under the lock.
         remembered = (known.id, self._highest_lsn) if known is not None else None
         await conn.execute("BEGIN")
         try:
-            epoch, change = await pg_epochs.record(
-                conn, seen, remembered, self.mode, self._gap, self._instance()
+            epoch, change, seen = await pg_epochs.record(
+                conn, remembered, self.mode, self._gap, self._instance()
             )
             why = await self.commit(conn)
         except BaseException:
@@ -149,7 +150,10 @@ class PrimaryLink:
             raise
         # Recorded, if on this server alone (`why`): should a failover lose it, the next
         # server is judged again.
-        self.epoch, self._highest_lsn = epoch, seen.lsn
+        if change is None and known is not None and epoch.id == known.id:
+            self._highest_lsn = max(self._highest_lsn, seen.lsn)
+        else:
+            self.epoch, self._highest_lsn = epoch, seen.lsn
         if change is not None and change.previous is not None:  # the first is no change
             self.changes.append(change)
         if why is not None:
