@@ -367,6 +367,23 @@ class TestOpenGateway:
         assert '<span class="badge status-outcome_unknown">' in page
 
 
+class TestHolds:
+    """The overview names the external globs on hold after a restore or a failover."""
+
+    async def test_the_external_globs_on_hold_are_shown_until_raised(
+        self, open_gw: InProcessGateway
+    ) -> None:
+        gw = open_gw
+        _, _, before = await get(gw, CONSOLE)
+        assert "External resources on hold" not in before
+        await gw.store.apply_restore(1000)
+        _, _, held = await get(gw, CONSOLE)
+        assert "External resources on hold" in held and "<li><code>ledger/*</code></li>" in held
+        await gw.store.raise_fences("ledger/**", 5)
+        _, _, raised = await get(gw, CONSOLE)
+        assert "External resources on hold" not in raised
+
+
 class TestApiEdges:
     """What the OpenAPI document promises about methods, cursors and numbers."""
 

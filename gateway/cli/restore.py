@@ -153,12 +153,16 @@ def _floor_only_sqlite(url: str, gap: int) -> tuple[RestoreReport, list[str]]:
 async def _floor_only_postgres(settings: Settings) -> tuple[RestoreReport, list[str]]:
     from gateway.store import create_store
     from gateway.store.base import StoreUnavailable
-    from gateway.store.postgres import PostgresStartupError
+    from gateway.store.pg_primary import PostgresStartupError
 
     store = create_store(
         settings.database_url,
         instance=f"{settings.instance_id}.restore",
         durability=settings.durability,
+        replication=settings.replication,
+        fence_gap=settings.restore_fence_gap,
+        connect_timeout_s=settings.database_connect_timeout_s,
+        start_timeout_s=0,  # a command: each host tried once
     )
     try:
         await store.open()

@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.core.floors import DEFAULT_GAP
@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     public_url: str | None = None
     # docs/contract.md §18: how far above the backup's highest fence a restore sets the floor
     restore_fence_gap: int = Field(DEFAULT_GAP, ge=1, le=MAX_FENCE)
+    # docs/contract.md §19: what a failover of the PostgreSQL primary may have lost
+    replication: Literal["async", "sync"] = "async"
+    sync_wait_s: float = Field(5.0, gt=0)
+    database_connect_timeout_s: float = Field(5.0, gt=0)
     # proxied calls in progress at once: "auto" (an adaptive limit) or a fixed number
     max_inflight: int | Literal["auto"] = "auto"
     # docs/contract.md §22: HTTPS serving (PEM files), and the CA client certificates need
@@ -103,6 +107,16 @@ class Settings(BaseSettings):
         if not value.startswith(("sqlite:///", "postgresql://", "postgres://")):
             raise ValueError(f"{value!r}: use sqlite:///PATH or postgresql://…")
         return value
+
+    @model_validator(mode="after")
+    def _check_replication(self) -> Settings:
+        if self.replication == "sync" and not self.database_url.startswith("postgres"):
+            raise ValueError("replication: sync is for PostgreSQL (GATEWAY_DATABASE_URL)")
+        if self.replication == "sync" and self.durability == "relaxed":
+            raise ValueError(
+                "replication: sync needs durability strict: a relaxed commit waits for no standby"
+            )
+        return self
 
     @field_validator("public_url")
     @classmethod

@@ -62,6 +62,9 @@ async def overview(visit: Visit) -> web.Response:
     lost = [r for r in items if r.status in tallies.LOST_STATUSES]
     waiting, counted_all = await reads.count_waiting(store)
     held = await reads.leases(store, "held", None, reads.LEASE_PAGE)
+    policies = visit.app[appkeys.POLICIES]
+    external = [r.match for r in policies.rules if r.lease.issuer == "external"]
+    epoch_change = await store.latest_epoch_change()  # docs/contract.md §19
     return visit.page(
         "overview.html",
         complete=recent.complete,
@@ -76,6 +79,9 @@ async def overview(visit: Visit) -> web.Response:
         held=len(held),
         held_complete=len(held) < reads.LEASE_PAGE,
         axis=(charts.time_label(start, HOUR), charts.time_label(now, HOUR)),
+        epoch_change=epoch_change if epoch_change and epoch_change.previous else None,
+        now=now,
+        on_hold=tallies.globs_on_hold(await store.fence_floors(), dict.fromkeys(external)),
     )
 
 

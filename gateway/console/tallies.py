@@ -8,6 +8,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from gateway.core import errors
+from gateway.core.floors import Floors
+from gateway.core.globs import glob_matches
 from gateway.core.receipts import RECEIPT_STATUSES
 from gateway.store.base import Receipt
 
@@ -83,3 +85,16 @@ def time_left(state: str, expires_at: float, now: float) -> str:
     if state == "held" and expires_at > now:
         return f"{duration(expires_at - now)} left"
     return f"expired {duration(now - expires_at)} ago"
+
+
+def globs_on_hold(floors: Floors, external_globs: Iterable[str]) -> list[str]:
+    """The external rules' globs still on hold after a restore or an asynchronous failover
+    (docs/contract.md §18, §19): none raised since by a glob raise covering the whole glob
+    (a raise of single resources lifts only those)."""
+    if floors.epoch == 0:
+        return []
+    return [
+        glob
+        for glob in external_globs
+        if not any(r.epoch >= floors.epoch and glob_matches(r.match, glob) for r in floors.raises)
+    ]

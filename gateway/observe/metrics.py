@@ -119,6 +119,21 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.store_epochs = Counter(
+            "fence_gateway_store_epochs_total",
+            "New store epochs this replica recorded (a failover, a restore), by whether the "
+            "fence floor was applied",
+            ["floor"],
+            registry=registry,
+        )
+        for floor in ("applied", "not_needed"):  # from 0, so that a rate sees the first one
+            self.store_epochs.labels(floor)
+        self.replication_synchronous = Gauge(
+            "fence_gateway_replication_synchronous",
+            "Under GATEWAY_REPLICATION=sync: 1 while the last check found synchronous "
+            "replication, 0 while this replica admits nothing for want of it",
+            registry=registry,
+        )
 
         # What every proxied call counts with, by label values: the child is made on first
         # use, then found by a dict lookup (`labels()` checks its values and takes a lock).

@@ -21,6 +21,7 @@ from gateway.server import overload
 from gateway.server.auth import authenticate
 from gateway.server.middleware import problems
 from gateway.store import create_store
+from gateway.upkeep import failover
 from gateway.upkeep.sweeper import count_lost, sweeper_ctx
 
 
@@ -34,6 +35,7 @@ def create_app(
     app[appkeys.METRICS] = Metrics()
     overload.install(app, settings.max_inflight)  # applied by the HTTP server, on each head
     app[appkeys.LANES] = Lanes()
+    app[failover.SAID] = failover.Said()
     app[appkeys.IN_FLIGHT] = set()
     sessions.install(app)  # fenced WebSockets: the open ones, and their end at shutdown
     app[appkeys.FAILPOINTS] = Failpoints(settings.failpoint_map)
@@ -63,6 +65,10 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         durability=settings.durability,
         before_commit=app[appkeys.FAILPOINTS].in_commit,
         heartbeat_interval_s=settings.sweep_interval_s,
+        replication=settings.replication,
+        sync_wait_s=settings.sync_wait_s,
+        fence_gap=settings.restore_fence_gap,
+        connect_timeout_s=settings.database_connect_timeout_s,
     )
     await store.open()
     app[appkeys.STORE] = store

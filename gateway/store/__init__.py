@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.core.epochs import Mode
+from gateway.core.floors import DEFAULT_GAP
 from gateway.store.base import Store, StoreUnavailable
 
 __all__ = ["Store", "StoreUnavailable", "create_store"]
@@ -16,8 +18,14 @@ def create_store(
     durability: str,
     before_commit: Callable[[], None] = lambda: None,
     heartbeat_interval_s: float = 1.0,
+    replication: Mode = "async",
+    sync_wait_s: float = 5.0,
+    fence_gap: int = DEFAULT_GAP,
+    connect_timeout_s: float = 5.0,
+    start_timeout_s: float = 60.0,
 ) -> Store:
-    """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver."""
+    """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver.
+    `replication` to `start_timeout_s` are PostgreSQL's (docs/contract.md §19)."""
     if url.startswith("sqlite:///"):
         from gateway.store.sqlite import SqliteStore, sqlite_path
 
@@ -39,5 +47,10 @@ def create_store(
             durability=durability,
             before_commit=before_commit,
             heartbeat_interval_s=heartbeat_interval_s,
+            replication=replication,
+            sync_wait_s=sync_wait_s,
+            fence_gap=fence_gap,
+            connect_timeout_s=connect_timeout_s,
+            start_timeout_s=start_timeout_s,
         )
     raise ValueError(f"{url!r}: use sqlite:///PATH, postgresql://… or postgres://…")

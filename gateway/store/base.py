@@ -15,8 +15,10 @@ from typing import Any, Literal, Protocol
 
 from gateway.core.checkpoints import Checkpoint, NewCheckpoint
 from gateway.core.cleanups import CleanupClaim, OwedCleanup
+from gateway.core.epochs import StoreEpoch
 from gateway.core.errors import BY_CODE, StoreUnavailable
 from gateway.core.fences import Issuer
+from gateway.core.floors import Floors
 from gateway.core.leases import Lease, Release
 from gateway.core.mcp import McpRecord
 from gateway.core.outcomes import Completion, Outcome
@@ -296,6 +298,17 @@ CleanupDelay = Callable[[str, str], "float | None"]
 """(resource, owner of the expired lease) → the rule's lock delay when a cleanup is owed."""
 
 
+@dataclass(frozen=True)
+class EpochChange:
+    """A new store epoch, recorded (docs/contract.md §19): the one before (None: the store's
+    first), the new one, why it is new, and what the §18 floor did (None: not needed)."""
+
+    previous: StoreEpoch | None
+    current: StoreEpoch
+    reason: str
+    floor: RestoreReport | None
+
+
 class Store(Protocol):
     """What the gateway needs from durable state. Every method may raise StoreUnavailable."""
 
@@ -473,4 +486,23 @@ class Store(Protocol):
 
     async def known_resources(self) -> list[str]:
         """Every resource the store has fences for, in order."""
+        ...
+
+    # high availability (§19): a store of one server (SQLite) has no epochs to change
+    @property
+    def replication_problem(self) -> str | None:
+        """Why synchronous replication is not in place now, under `GATEWAY_REPLICATION=sync`
+        (None: it is, or the mode does not ask for it); nothing is admitted meanwhile."""
+        ...
+
+    def drain_epoch_changes(self) -> list[EpochChange]:
+        """The epoch changes this process recorded since it was last asked, oldest first."""
+        ...
+
+    async def latest_epoch_change(self) -> EpochChange | None:
+        """The store's latest epoch and the one before it (None: it has none)."""
+        ...
+
+    async def fence_floors(self) -> Floors:
+        """The store-wide fence floors (§18): the floor, the restore epoch, the glob raises."""
         ...

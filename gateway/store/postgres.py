@@ -35,11 +35,13 @@ from gateway.core import (
     liveness,
     outcomes,
 )
+from gateway.core.epochs import Mode
 from gateway.core.errors import StoreUnavailable
 from gateway.core.fences import Issuer
+from gateway.core.floors import DEFAULT_GAP
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.store import checkpoint_rows as cp
-from gateway.store import postgres_floors
+from gateway.store import pg_epochs, pg_sync, postgres_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -50,6 +52,7 @@ from gateway.store.base import (
     CleanupClaim,
     CleanupDelay,
     Completion,
+    EpochChange,
     FenceState,
     Lease,
     NewCheckpoint,
@@ -69,6 +72,8 @@ from gateway.store.base import (
 )
 from gateway.store.floor_rows import fence_row_of
 from gateway.store.ids import MonotonicUlid
+from gateway.store.pg_hosts import NoWritableHost
+from gateway.store.pg_primary import START_TIMEOUT_S, PostgresStartupError, PrimaryLink
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
     KEY_STATE_SELECT,
@@ -93,7 +98,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -120,11 +125,13 @@ _LEASE_COLUMNS = (
 )
 
 # Lock a resource's fences row (creating it), and read it, the store-wide fence floors
-# (docs/contract.md §18) and the database's time after the lock.
+# (docs/contract.md §18), the database's time after the lock and the replication settings
+# the transaction runs under (§19).
 _LOCK_FENCES = (
     "INSERT INTO fences (resource) VALUES ($1) ON CONFLICT (resource) "
     f"DO UPDATE SET issued = fences.issued RETURNING issued, accepted, {_NOW} AS now, "
     + postgres_floors.FLOORS_RETURNING
+    + f", {pg_sync.SETTINGS}"
 )
 # The same for a resource that may have no row: no lease without one (acquire writes it).
 _LOCK_FENCES_IF_ANY = f"SELECT {_NOW} AS now FROM fences WHERE resource = $1 FOR UPDATE"
@@ -255,19 +262,18 @@ _GRANT = (
 
 
 # An instance's heartbeat is a lease (gateway.core.liveness): renewed only while not silent.
+# It also reads the WAL position (a position gone back is a new epoch) and the replication
+# settings (§19).
 _HEARTBEAT = (
     f"UPDATE instances SET heartbeat_at = {_NOW} WHERE id = $1 "
-    f"AND heartbeat_at > {_NOW} - $2 RETURNING id"
+    f"AND heartbeat_at > {_NOW} - $2 RETURNING id, "
+    f"(pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint AS lsn, {pg_sync.SETTINGS}"
 )
 # An instance id is taken once, never reused: ON CONFLICT, the caller tries the next one.
 _CLAIM_INSTANCE = (
     f"INSERT INTO instances (id, started_at, heartbeat_at) VALUES ($1, {_NOW}, {_NOW}) "
     "ON CONFLICT (id) DO NOTHING RETURNING id"
 )
-
-
-class PostgresStartupError(Exception):
-    """The database is one this replica must not serve on: exit 2 at start (one line)."""
 
 
 async def _keep_session(conn: Any) -> None:
@@ -294,7 +300,7 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 
 
 def _database_errors() -> tuple[type[BaseException], ...]:
-    return (asyncpg.PostgresError, *_LOST_CONNECTION)
+    return (asyncpg.PostgresError, NoWritableHost, *_LOST_CONNECTION)
 
 
 class PostgresStore:
@@ -310,6 +316,11 @@ class PostgresStore:
         heartbeat_interval_s: float = 1.0,
         pool_min: int = POOL_MIN,
         pool_max: int = POOL_MAX,
+        replication: Mode = "async",
+        sync_wait_s: float = 5.0,
+        fence_gap: int = DEFAULT_GAP,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.url = url
         self.instance = self._first_instance = instance
@@ -323,19 +334,44 @@ class PostgresStore:
         self._new_id = MonotonicUlid()
         self._pool: Any = None
         self.recovered: dict[str, int] = {}  # nothing at open: peers may be serving (§14)
+        self._link = PrimaryLink(
+            url,
+            instance=lambda: self.instance,
+            mode=replication,
+            sync_wait_s=sync_wait_s,
+            fence_gap=fence_gap,
+            connect_timeout_s=connect_timeout_s,
+            start_timeout_s=start_timeout_s,
+            pool_size=(pool_min, pool_max),
+            command_timeout_s=COMMAND_TIMEOUT_S,
+        )
+        # Receipts admitted by a commit that did not wait for the synchronous standby: never
+        # forwarded, they are completed `not_sent` once the store takes writes again (§19).
+        self._unreplicated: set[str] = set()
+
+    @property
+    def replication_problem(self) -> str | None:
+        return self._link.replication_problem
+
+    def drain_epoch_changes(self) -> list[EpochChange]:
+        return self._link.drain()
+
+    async def latest_epoch_change(self) -> EpochChange | None:
+        return await self._run(pg_epochs.latest_change, writes=False)
+
+    async def fence_floors(self) -> floors.Floors:
+        return await self._run(postgres_floors.read_floors, writes=False)
 
     # -- life cycle ---------------------------------------------------------------------------
 
     async def open(self) -> None:
-        try:
-            self._pool = await asyncpg.create_pool(
-                self.url,
-                min_size=self._pool_size[0],
-                max_size=self._pool_size[1],
-                reset=_keep_session,
-                timeout=CONNECT_TIMEOUT_S,
-                command_timeout=COMMAND_TIMEOUT_S,
+        if self._link.sync and self._relaxed:
+            raise PostgresStartupError(
+                "GATEWAY_REPLICATION=sync needs GATEWAY_DURABILITY=strict: a relaxed commit "
+                "waits for no standby"
             )
+        try:
+            self._pool = await self._link.open(_keep_session)
         except _database_errors() as exc:
             raise StoreUnavailable(f"cannot connect to PostgreSQL: {_one_line(exc)}") from exc
         try:
@@ -350,6 +386,8 @@ class PostgresStore:
                 async with conn.transaction():
                     await self._migrate(conn)
                     last = await conn.fetchval("SELECT max(id) FROM receipts")
+                silent_after_s = liveness.SILENT_INTERVALS * self._interval
+                await self._link.start(conn, silent_after_s)
                 await self._take_instance_id(conn)
         except BaseException as exc:
             await self._pool.close()
@@ -426,8 +464,10 @@ class PostgresStore:
         async with pool.acquire() as conn:
             try:
                 yield conn
-            except _LOST_CONNECTION as exc:
-                # asyncpg has already let go of a connection it saw close
+            except (*_LOST_CONNECTION, asyncpg.ReadOnlySQLTransactionError) as exc:
+                # asyncpg has already let go of a connection it saw close. A server that no
+                # longer accepts writes (a demoted primary) is left for whichever host does
+                # (docs/contract.md §19): its connections are replaced like lost ones.
                 with contextlib.suppress(asyncpg.InterfaceError):
                     conn.terminate()
                 if not isinstance(exc, TimeoutError):  # a slow statement says nothing of others
@@ -448,7 +488,9 @@ class PostgresStore:
                     try:
                         result = await op(conn)
                         self._commit_hook()
-                        await conn.execute("COMMIT")
+                        unreplicated = await self._link.commit(conn)
+                        if unreplicated is not None:  # committed on the primary alone
+                            raise pg_sync.NotReplicated(f"the store failed: {unreplicated}", result)
                     except BaseException:
                         if not conn.is_closed():
                             try:
@@ -479,11 +521,34 @@ class PostgresStore:
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
         """BEGIN, lock, read, write, COMMIT: five round trips (asyncpg pipelines none of
-        them: each waits for the one before)."""
-        return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
+        them: each waits for the one before).
+
+        Under `GATEWAY_REPLICATION=sync` an admission whose commit did not wait for the
+        synchronous standby is `StoreUnavailable` (nothing is forwarded), and a `pending`
+        receipt it wrote all the same is completed `not_sent` later (docs/contract.md §19)."""
+        self._refuse_unreplicated()
+        try:
+            return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
+        except pg_sync.NotReplicated as exc:
+            if isinstance(exc.result, Admitted):
+                self._unreplicated.add(exc.result.receipt_id)
+            raise
+
+    def _refuse_unreplicated(self, locked: Any = None) -> None:
+        """Under `sync`: admit nothing while a replication check fails, or in a transaction
+        that does not run under synchronous replication (`locked`: its settings)."""
+        if not self._link.sync:
+            return
+        problem = self._link.replication_problem
+        if problem is None and locked is not None:
+            problem = pg_sync.problem_of(locked)
+            self._link.note(problem)
+        if problem is not None:
+            raise StoreUnavailable(f"synchronous replication is not in place: {problem}")
 
     async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
         locked = await conn.fetchrow(_LOCK_FENCES, call.resource)
+        self._refuse_unreplicated(locked)
         now = locked["now"]
         key, fingerprint = call.idempotency_key, call.fingerprint
         row: Any = None  # a session has no key to read
@@ -631,7 +696,7 @@ class PostgresStore:
         async def fast(conn: Any) -> int:
             return int(await conn.fetchval(_RECORD_PENDING, *args))
 
-        if self._relaxed:
+        if self._relaxed or self._link.sync:  # sync: the COMMIT's wait is watched (§19)
             recorded = await self._tx(fast, relaxed=True)
         else:
             recorded = await self._run(fast, writes=True)
@@ -1225,17 +1290,32 @@ class PostgresStore:
         silent_after_s = liveness.SILENT_INTERVALS * self._interval
         async with self._heartbeat_turn:
             sent = time.monotonic()
-            renewed = await self._run(
-                lambda conn: conn.fetchval(
+
+            async def op(conn: Any) -> Any:
+                return await conn.fetchrow(
                     _HEARTBEAT, self.instance, silent_after_s, timeout=max(silent_after_s, 1.0)
-                ),
-                writes=True,
-            )
+                )
+
+            # Under sync the heartbeat is also the replication check (§19): its commit must
+            # wait for the standby, and it reads the settings.
+            renewed = await (self._tx(op) if self._link.sync else self._run(op, writes=True))
             if renewed is None:
                 self._generation += 1
                 await self._run(self._take_instance_id, writes=True)
-            else:
-                self._heartbeat_sent = sent
+                return
+            self._heartbeat_sent = sent
+            self._link.saw_position(renewed["lsn"])
+            if self._link.sync:
+                self._link.note(pg_sync.problem_of(renewed))
+                self._refuse_unreplicated()
+                await self._settle_unreplicated()
+
+    async def _settle_unreplicated(self) -> None:
+        """Complete `not_sent` the receipts admitted by commits that did not wait for the
+        standby: their calls were never forwarded."""
+        for receipt_id in sorted(self._unreplicated):
+            await self.complete(receipt_id, Outcome("not_sent", error=pg_sync.REPLICATION_WAIT))
+            self._unreplicated.discard(receipt_id)
 
     async def expire_pending(
         self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]

@@ -96,10 +96,13 @@ async def highest_fence(conn: Any) -> int:
     return floors.highest([row["i"], row["a"], known.floor, *(r.at_least for r in known.raises)])
 
 
-async def apply_restore(conn: Any, gap: int, beyond: int) -> RestoreReport:
-    """`fence-gateway restore --floor-only` after `pg_restore`: one transaction that first
-    shuts every admission, acquire and raise out (the table lock), so none of them, on any
-    replica, decides on the fences from before it."""
+async def apply_restore(
+    conn: Any, gap: int, beyond: int, error: str = RESTORED_ERROR
+) -> RestoreReport:
+    """`fence-gateway restore --floor-only` after `pg_restore`, and a new store epoch after
+    an asynchronous failover (docs/contract.md §19, `error` then names it): one transaction
+    that first shuts every admission, acquire and raise out (the table lock), so none of
+    them, on any replica, decides on the fences from before it."""
     # The floor row first, then the table: a glob raise takes them in the same order.
     locked = await conn.fetchrow(
         f"SELECT floor, epoch, {_NOW} AS now FROM fence_floor WHERE id = 1 FOR UPDATE"
@@ -124,7 +127,7 @@ async def apply_restore(conn: Any, gap: int, beyond: int) -> RestoreReport:
     unknown = await conn.fetch(
         "UPDATE receipts SET status = 'outcome_unknown', error = $1 WHERE status = 'pending' "
         "RETURNING upstream",
-        RESTORED_ERROR,
+        error,
     )
     return RestoreReport(top, floor, epoch, len(expired), count_by_upstream(unknown))
 

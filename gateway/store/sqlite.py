@@ -37,6 +37,7 @@ from gateway.store.base import (
     CleanupClaim,
     CleanupDelay,
     Completion,
+    EpochChange,
     FenceState,
     Lease,
     NewCheckpoint,
@@ -997,3 +998,15 @@ class SqliteStore:
 
     async def known_resources(self) -> list[str]:
         return await self._read(sqlite_floors.known_resources)
+
+    # One file, one server: no failover, no store epochs (docs/contract.md §19).
+    replication_problem: str | None = None
+
+    def drain_epoch_changes(self) -> list[EpochChange]:
+        return []
+
+    async def latest_epoch_change(self) -> EpochChange | None:
+        return None
+
+    async def fence_floors(self) -> floors.Floors:
+        return await self._read(sqlite_floors.read_floors)

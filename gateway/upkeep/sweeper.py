@@ -27,6 +27,7 @@ from gateway.core import errors
 from gateway.core.liveness import SILENT_INTERVALS
 from gateway.observe import logs
 from gateway.proxy import appkeys
+from gateway.upkeep import failover
 from gateway.upkeep.cleanup import Cleaner
 from gateway.upkeep.periodic import every
 from gateway.upkeep.reconcile import wait_times
@@ -79,7 +80,8 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def heartbeat(app: web.Application) -> None:
-    """Renew this instance's heartbeat; say so when the store made it go on under a new id."""
+    """Renew this instance's heartbeat; say so when the store made it go on under a new id,
+    and what became of the store's epochs and replication meanwhile (`failover.report`)."""
     store = app[appkeys.STORE]
     before = store.instance
     ready = app[appkeys.METRICS].ready
@@ -88,6 +90,8 @@ async def heartbeat(app: web.Application) -> None:
     except errors.StoreUnavailable:
         ready.set(0)
         raise
+    finally:
+        failover.report(app)
     ready.set(1)
     if store.instance != before:
         logs.event(

@@ -1,5 +1,6 @@
 """`python -m tests.soak --duration 300` (what `make soak DURATION=300` runs): the long soak,
-on SQLite and then on PostgreSQL, each for the duration given; prints the counts and every
+on SQLite, then on PostgreSQL, then on a Patroni cluster whose primary fails over (where
+Patroni and etcd are installed), each for the duration given; prints the counts and every
 violation, and exits 1 when there is any."""
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.soak.run import STORES, SoakConfig, soak
+from tests.soak.run import SoakConfig, available_stores, soak
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__)
     parser.add_argument("--duration", type=float, default=300.0, help="seconds per store")
-    parser.add_argument("--stores", default=",".join(STORES), help="sqlite,postgresql")
+    parser.add_argument(
+        "--stores",
+        default=",".join(available_stores()),
+        help="sqlite,postgresql,patroni (patroni where Patroni and etcd are installed)",
+    )
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--durability", default="strict", choices=["strict", "relaxed"])

@@ -4,7 +4,8 @@ Each fault is an `Action`: it says whether it applies to a cluster, does its har
 gateway and undoes it before it returns (restarts what it killed, resumes what it paused), so
 the next action always starts from a whole cluster. `ACTIONS` is the list a soak draws from;
 another fault (say, restoring an older backup of a SQLite store) is one more class with the
-same three members added to it, or to the list a caller passes in.
+same three members added to it, or to the list a caller passes in. On a Patroni cluster the
+primary itself fails over (`FailOverThePrimary`).
 
 The nemesis plays the actions in rounds: every applicable action once per round, in a random
 order, each on a random gateway, with a random quiet gap before each. So even a short soak
@@ -21,7 +22,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from tests.harness import GatewayProcess, GatewayStartError
 from tests.pg import server_sql
@@ -38,6 +39,8 @@ class Cluster:
     connection_names: list[str] = dataclasses.field(default_factory=list)
     # How many calls the tool is running right now: a crash or a pause matters most then.
     calls_in_flight: Callable[[], int] = lambda: 0
+    # The Patroni cluster under the store (tests.ha.cluster.Cluster), None without one.
+    ha: Any = None
 
     async def mid_call(self, patience_s: float = 1.0) -> None:
         """Return once the tool has a call in flight, or after `patience_s` anyway."""
@@ -101,7 +104,7 @@ class KillDatabaseConnections:
     name = "connection kills"
 
     def applies(self, cluster: Cluster) -> bool:
-        return cluster.database is not None
+        return cluster.database is not None and cluster.ha is None
 
     async def __call__(self, cluster: Cluster, target: int, rng: random.Random) -> None:
         await server_sql(
@@ -111,7 +114,40 @@ class KillDatabaseConnections:
         )
 
 
-ACTIONS: tuple[Action, ...] = (Kill9AndRestart(), PausePastTheLease(), KillDatabaseConnections())
+class FailOverThePrimary:
+    """On a Patroni cluster (docs/contract.md §19): a planned switchover, or a kill -9 of the
+    primary (its Patroni and every PostgreSQL process) until a standby is promoted, the
+    killed node then rejoining as a standby. `target` is not used: every gateway loses its
+    primary at once."""
+
+    name = "failovers"
+
+    def __init__(self) -> None:
+        self._played = 0
+
+    def applies(self, cluster: Cluster) -> bool:
+        return cluster.ha is not None
+
+    async def __call__(self, cluster: Cluster, target: int, rng: random.Random) -> None:
+        ha = cluster.ha
+        await cluster.mid_call()
+        self._played += 1
+        # the cluster's helpers block: in a thread, so that the calls go on meanwhile
+        if self._played % 2:
+            await asyncio.to_thread(ha.switchover)
+        else:
+            killed = await asyncio.to_thread(ha.kill_primary)
+            await asyncio.to_thread(ha.wait_primary, 90.0, killed)
+            await asyncio.to_thread(ha.rejoin, killed)
+        await asyncio.to_thread(ha.wait_streaming, ha.size - 1)
+
+
+ACTIONS: tuple[Action, ...] = (
+    Kill9AndRestart(),
+    PausePastTheLease(),
+    KillDatabaseConnections(),
+    FailOverThePrimary(),
+)
 
 
 async def restart(gateway: GatewayProcess, attempts: int = 3) -> None:

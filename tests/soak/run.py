@@ -39,7 +39,18 @@ from tests.soak.history import Receipt, SideEffect, Violation, check, summary
 from tests.soak.nemesis import ACTIONS, Action, Cluster, restart, run_nemesis
 from tests.soak.workload import Workload
 
-STORES = ("sqlite", "postgresql")
+STORES = ("sqlite", "postgresql", "patroni")
+"""`patroni`: two replicas on a Patroni cluster of three nodes under synchronous replication
+(GATEWAY_REPLICATION=sync), whose primary the nemesis also fails over (tests.ha.cluster)."""
+
+
+def available_stores() -> tuple[str, ...]:
+    """The stores this machine can soak: `patroni` needs Patroni and etcd installed."""
+    from tests.ha.cluster import available
+
+    return STORES if available() else STORES[:2]
+
+
 SWEEP_S = 0.2  # a PostgreSQL instance's heartbeat lease is three of these
 UPSTREAM_TIMEOUT_S = 3.0
 RECONCILE_GRACE_S = 0.5
@@ -116,11 +127,15 @@ async def soak(config: SoakConfig) -> SoakReport:
     if config.store not in STORES:
         raise ValueError(f"store: one of {STORES}, not {config.store!r}")
     rng = random.Random(config.seed)
+    ha = _patroni() if config.store == "patroni" else None
     database = create_database() if config.store == "postgresql" else None
+    if ha is not None:
+        database = "fg_soak"
+        ha.create_database(database)
     try:
         async with RecordingUpstream() as upstream:
             upstream.default = tool_behavior(random.Random(rng.random()))
-            cluster = _cluster(config, upstream, database)
+            cluster = _cluster(config, upstream, database, ha)
             try:
                 await asyncio.gather(*(gateway.start() for gateway in cluster.gateways))
                 return await _run(config, cluster, upstream, rng)
@@ -128,11 +143,28 @@ async def soak(config: SoakConfig) -> SoakReport:
                 for gateway in cluster.gateways:
                     gateway.kill9_sync()
     finally:
-        if database is not None:
+        if ha is not None:
+            ha.close()
+        elif database is not None:
             drop_database(database)
 
 
-def _cluster(config: SoakConfig, upstream: RecordingUpstream, database: str | None) -> Cluster:
+def _patroni() -> Any:
+    from tests.ha.cluster import Cluster as Patroni
+    from tests.ha.cluster import make_root
+
+    ha = Patroni(make_root(), size=3, synchronous=True)
+    try:
+        ha.start()
+    except BaseException:
+        ha.close()
+        raise
+    return ha
+
+
+def _cluster(
+    config: SoakConfig, upstream: RecordingUpstream, database: str | None, ha: Any = None
+) -> Cluster:
     policy_path = write_policy(
         config.workdir / "policies.yaml", policy(upstream.url, config.lease_ttl_s)
     )
@@ -150,8 +182,11 @@ def _cluster(config: SoakConfig, upstream: RecordingUpstream, database: str | No
         extra = dict(env)
         if database is not None:
             # the connections carry the replica's name, so the nemesis can cut just its own
-            extra["GATEWAY_DATABASE_URL"] = f"{url_of(database)}?application_name={names[i]}"
+            url = url_of(database) if ha is None else ha.url(database)
+            extra["GATEWAY_DATABASE_URL"] = f"{url}?application_name={names[i]}"
             extra["GATEWAY_INSTANCE_ID"] = f"replica-{i}"
+            if ha is not None:
+                extra["GATEWAY_REPLICATION"] = "sync"
         gateways.append(
             GatewayProcess(
                 workdir, policy_path, sweep_interval_s=SWEEP_S, extra_env=extra, port=free_port()
@@ -163,6 +198,7 @@ def _cluster(config: SoakConfig, upstream: RecordingUpstream, database: str | No
         database,
         names if database else [],
         calls_in_flight=lambda: sum(upstream.inflight.values()),
+        ha=ha,
     )
 
 

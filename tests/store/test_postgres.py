@@ -102,11 +102,40 @@ class TestDurability:
 
     async def test_an_unreachable_server_is_store_unavailable(self) -> None:
         store = create_store(
-            "postgresql://postgres@127.0.0.1:1/none", instance="x", durability="strict"
+            "postgresql://postgres@127.0.0.1:1/none",
+            instance="x",
+            durability="strict",
+            start_timeout_s=0,  # one try of each host (a replica tries for a minute)
         )
         assert isinstance(store, PostgresStore)
-        with pytest.raises(StoreUnavailable, match="cannot connect"):
+        with pytest.raises(StoreUnavailable, match=r"cannot connect.*127\.0\.0\.1:1: "):
             await store.open()
+
+
+class TestEpochs:
+    """docs/contract.md §19 on one server: its epoch never changes under load."""
+
+    async def test_new_connections_racing_heartbeats_never_see_the_wal_go_back(
+        self, tmp_path: Path
+    ) -> None:
+        stores = await replicas(tmp_path)
+        try:
+
+            async def beat() -> None:
+                for _ in range(40):
+                    await asyncio.gather(*(s.heartbeat() for s in stores))
+
+            # Many admissions at once make each pool open new connections, whose WAL
+            # positions are read while the heartbeats read newer ones.
+            await asyncio.gather(
+                beat(),
+                *(stores[i % 2].admit(call(1, resource=f"r/{i}")) for i in range(60)),
+            )
+            assert [s.drain_epoch_changes() for s in stores] == [[], []]
+            rows = await sql(tmp_path, "SELECT reason FROM store_epochs")
+            assert [row["reason"] for row in rows] == ["first epoch"]
+        finally:
+            await close(stores)
 
 
 class TestReplicas:

@@ -102,6 +102,9 @@ def test_deploy_folder_has_the_expected_files() -> None:
         "kubernetes/postgres/deployment.yaml",
         "kubernetes/postgres/kustomization.yaml",
         "kubernetes/postgres/poddisruptionbudget.yaml",
+        "compose.patroni.yaml",
+        "patroni/patroni.yml",
+        "kubernetes/patroni/kustomization.yaml",
     } <= names
 
 
@@ -199,6 +202,38 @@ def test_postgres_compose_runs_replicas_on_one_database() -> None:
     assert any(str(v).startswith("postgres-data:") for v in database["volumes"])
 
 
+# -- PostgreSQL under Patroni (docs/contract.md §19) ------------------------------------------
+
+
+def test_patroni_compose_names_every_node_and_runs_sync() -> None:
+    from gateway.store.pg_hosts import parse_hosts
+
+    compose = load(DEPLOY / "compose.patroni.yaml")
+    services = compose["services"]
+    gateways = [s for s in services.values() if is_gateway(s)]
+    assert len(gateways) >= 2
+    nodes = {name for name, s in services.items() if "PATRONI_NAME" in compose_env(s)}
+    assert len(nodes) == 3
+    for service in gateways:
+        env = compose_env(service)
+        hosts = parse_hosts(env["GATEWAY_DATABASE_URL"]).hosts
+        assert {h.host for h in hosts} == nodes
+        assert (env["GATEWAY_REPLICATION"], env["GATEWAY_DURABILITY"]) == ("sync", "strict")
+    config = load(DEPLOY / "patroni" / "patroni.yml")
+    dcs = config["bootstrap"]["dcs"]
+    assert dcs["synchronous_mode"] is True and dcs["synchronous_mode_strict"] is True
+
+
+def test_patroni_kubernetes_patches_the_postgres_variant_to_sync() -> None:
+    folder = K8S / "patroni"
+    kustomization = load(folder / "kustomization.yaml")
+    assert kustomization["resources"] == ["../postgres"]
+    [patch] = kustomization["patches"]
+    (container,) = load(folder / patch["path"])["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["GATEWAY_REPLICATION"] == "sync"
+
+
 # -- both stores ------------------------------------------------------------------------------
 
 
@@ -211,7 +246,7 @@ def test_kubernetes_termination_grace_outlasts_the_shutdown_grace() -> None:
         assert budget > grace + prestop_sleep(container), path
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.postgres.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.postgres.yaml", "compose.patroni.yaml"])
 def test_compose_gateways_are_locked_down_and_outlast_the_shutdown_grace(name: str) -> None:
     services = load(DEPLOY / name)["services"]
     gateways = {n: s for n, s in services.items() if is_gateway(s)}

@@ -1,0 +1,51 @@
+"""The high-availability PostgreSQL (tests.ha.cluster) as fixtures.
+
+Without Patroni or etcd on the machine these tests skip with one line, except on CI
+(`CI=true`), where they fail. A cluster is shared by the tests of one module (starting one
+takes about ten seconds), the asynchronous one by every module; a test that breaks it leaves
+it whole again (the killed node rejoined).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.ha.cluster import MISSING, Cluster, available, make_root
+
+
+def need_cluster() -> None:
+    if not available():
+        if os.environ.get("CI") == "true":
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
+
+
+def start_cluster(size: int, synchronous: bool) -> Cluster:
+    need_cluster()
+    cluster = Cluster(make_root(), size=size, synchronous=synchronous)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def async_cluster() -> Iterator[Cluster]:
+    """Two nodes, asynchronous replication (Patroni's default)."""
+    cluster = start_cluster(2, synchronous=False)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def sync_cluster() -> Iterator[Cluster]:
+    """Three nodes under `synchronous_mode_strict`: a kill of the primary leaves a
+    synchronous pair."""
+    cluster = start_cluster(3, synchronous=True)
+    yield cluster
+    cluster.close()
