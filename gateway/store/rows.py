@@ -224,6 +224,26 @@ def owed_cleanup_rows(
     return owed
 
 
+LEASE_COLUMNS = (
+    "resource",
+    "owner",
+    "fence",
+    "client",
+    "acquire_key",
+    "state",
+    "acquired_at",
+    "renewed_at",
+    "expires_at",
+)
+"""What `lease_of` reads of a leases row."""
+
+
+def prefixed(row: Any, prefix: str) -> dict[str, Any]:
+    """The columns of one table in a joined row, named `<prefix><column>`, by column."""
+    names = row.keys()  # a sqlite3.Row iterates over its values, not its names
+    return {key[len(prefix) :]: row[key] for key in names if key.startswith(prefix)}
+
+
 def lease_of(row: Mapping[str, Any]) -> Lease:
     return Lease(
         resource=row["resource"],
