@@ -238,12 +238,6 @@ LEASE_COLUMNS = (
 """What `lease_of` reads of a leases row."""
 
 
-def prefixed(row: Any, prefix: str) -> dict[str, Any]:
-    """The columns of one table in a joined row, named `<prefix><column>`, by column."""
-    names = row.keys()  # a sqlite3.Row iterates over its values, not its names
-    return {key[len(prefix) :]: row[key] for key in names if key.startswith(prefix)}
-
-
 def lease_of(row: Mapping[str, Any]) -> Lease:
     return Lease(
         resource=row["resource"],

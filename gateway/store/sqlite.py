@@ -303,9 +303,9 @@ class SqliteStore:
         advances), the receipt and the key."""
         now = self._now()
         key, fingerprint = call.idempotency_key, call.fingerprint
-        known = sqlite_admit.read(conn, call.resource, key)
+        known = sqlite_admit.read(conn, call.resource, key, with_lease=call.issuer == "gateway")
         row = known.row
-        current = known.lease if call.issuer == "gateway" else None
+        current = known.lease
         code, owner = fences.check(
             call.issuer,
             call.fence,
@@ -424,21 +424,16 @@ class SqliteStore:
         return await self._write(lambda conn: self._complete(conn, receipt_id, outcome))
 
     def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> Completion:
-        """A `pending` receipt (nearly every call's) takes its outcome in one statement that
-        reads what settling its key needs; any other receipt is read first and decided."""
+        """A `pending` receipt (nearly every call's) takes its outcome in one statement; any
+        other receipt is read first and decided."""
         now = self._now()
-        recorded = conn.execute(
-            f"{_RECORD_OUTCOME} AND status = 'pending' RETURNING resource, idempotency_key",
+        if conn.execute(
+            f"{_RECORD_OUTCOME} AND status = 'pending'",
             self._outcome_values(outcome, now, late=False, receipt_id=receipt_id),
-        ).fetchone()
-        if recorded is not None:
+        ).rowcount:
             completion = outcomes.decide_completion("pending", outcome.status)
-            row = recorded
         else:
-            row = conn.execute(
-                "SELECT status, resource, idempotency_key FROM receipts WHERE id = ?",
-                (receipt_id,),
-            ).fetchone()
+            row = conn.execute("SELECT status FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
             completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
             if completion is Completion.LATE_OUTCOME:
                 # The resolution stands; the tool's own answer is kept beside it for the alert.
@@ -455,7 +450,7 @@ class SqliteStore:
                     ),
                 )
         if outcomes.settles_key(completion, outcome.status):
-            self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
+            self._settle_key(conn, receipt_id, now)
         return completion
 
     @staticmethod
@@ -475,14 +470,12 @@ class SqliteStore:
         )
 
     @staticmethod
-    def _settle_key(
-        conn: sqlite3.Connection, resource: str, key: str | None, receipt_id: str, now: float
-    ) -> None:
-        """The key's retention starts once its latest receipt is settled."""
+    def _settle_key(conn: sqlite3.Connection, receipt_id: str, now: float) -> None:
+        """The key's retention starts once its latest receipt is settled: the key that
+        points at this receipt, if any still does (keys_by_receipt)."""
         conn.execute(
-            "UPDATE idempotency_keys SET expires_at = ? + retention_s "
-            "WHERE resource = ? AND key = ? AND receipt_id = ?",
-            (now, resource, key, receipt_id),
+            "UPDATE idempotency_keys SET expires_at = ? + retention_s WHERE receipt_id = ?",
+            (now, receipt_id),
         )
 
     async def mark_forwarded(self, receipt_id: str) -> None:
@@ -546,8 +539,7 @@ class SqliteStore:
         def op(conn: sqlite3.Connection) -> Receipt | ResolveRefused:
             now = self._now()
             row = conn.execute(
-                "SELECT status, resource, idempotency_key, upstream, forwarded_at, created_at "
-                "FROM receipts WHERE id = ?",
+                "SELECT status, upstream, forwarded_at, created_at FROM receipts WHERE id = ?",
                 (receipt_id,),
             ).fetchone()
             if row is None:
@@ -560,7 +552,7 @@ class SqliteStore:
                 f"completed_at = coalesce(completed_at, ?) WHERE id = ? RETURNING {RECEIPT_SELECT}",
                 (resolution_json(outcome, source, note, now), now, receipt_id),
             ).fetchall()
-            self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
+            self._settle_key(conn, receipt_id, now)
             return receipt_of(updated)
 
         return await self._write(op)
