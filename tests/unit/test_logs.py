@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from gateway.core.times import rfc3339
 from gateway.observe import logs
 
 
@@ -46,6 +47,7 @@ def test_lines_are_formatted_and_written_by_the_writer_thread(tmp_path: Path) ->
 
 _CHILD = """
 import os, signal, sys, time
+from gateway.core.times import rfc3339
 from gateway.observe import logs
 logs.configure("json", "INFO")
 for n in range(int(sys.argv[1])):
@@ -79,3 +81,11 @@ def test_kill_9_loses_only_the_last_moments() -> None:
     assert code == -signal.SIGKILL
     # logged a second before the kill: written by then, however busy the machine was
     assert [line["n"] for line in lines] == list(range(2000)), time.monotonic() - started
+
+
+def test_the_line_time_is_the_contract_time_to_the_millisecond() -> None:
+    formatter = logs.JsonFormatter()
+    edges = [1764600000.0, 1764600000.999, 1764600001.0005, 1764600001.9999996, 1764600001.9995]
+    spread = [1_000_000_000 + n * 7_654_321.123457 for n in range(2000)]
+    for created in edges + spread + [t + k / 1000 for t in edges for k in range(1000)]:
+        assert formatter._stamp(created) == rfc3339(created), created
