@@ -6,10 +6,10 @@ top level. Nothing here ever sees keys, injected credentials or bodies: callers 
 A served gateway logs a line for every call, so the event loop only builds the record and
 puts it on a queue (`configure`): a thread of its own formats the records and writes what has
 queued up with one write system call. The loop never waits on a slow or full stderr, and never
-pays for the formatting. The thread writes as soon as a record arrives, so the lines a crash
-loses are those of its last moments only: at exit (`logging.shutdown`, which runs at
-interpreter exit) everything queued is written first; on `kill -9` (or `os._exit`) the records
-not yet written, those of the last few milliseconds under load, are lost.
+pays for the formatting. The thread writes within about 10 ms of a record's arrival, so the
+lines a crash loses are those of its last moments only: at exit (`logging.shutdown`, which
+runs at interpreter exit) everything queued is written first; on `kill -9` (or `os._exit`)
+the records not yet written, those of the last 10 ms or so, are lost.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from gateway.core.times import rfc3339
 log = logging.getLogger("fence_gateway")
 
 _FLUSH_WAIT_S = 5.0  # a stuck stderr (a full pipe nobody reads) never holds an exit longer
+# Once a record arrives the writer waits this long for more before it takes the GIL to format
+# them: each time it takes the GIL it takes it from the event loop, which on a busy machine
+# may not get a core back at once, so lines are formatted in batches, not one by one.
+_LINGER_S = 0.01
 
 
 class JsonFormatter(logging.Formatter):
@@ -99,6 +103,8 @@ class QueuedHandler(logging.Handler):
         while True:
             lines, done = [], []
             item = take()
+            if not isinstance(item, threading.Event):  # a flush is not kept waiting
+                time.sleep(_LINGER_S)
             while True:
                 if isinstance(item, threading.Event):
                     done.append(item)
