@@ -24,7 +24,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -444,8 +444,10 @@ class GatewayProcess:
         ready_timeout: float = 15.0,
         port: int | None = None,
         tls: ssl.SSLContext | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
+        self.wrapper = list(wrapper)  # a command the gateway runs under (the bench's callgrind)
         self.policy_path = policy_path
         self.db_path = workdir / "gw.db"
         self.sweep_interval_s = sweep_interval_s
@@ -520,7 +522,7 @@ class GatewayProcess:
         self.port = self.fixed_port or free_port()
         self._stderr_file = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve"],
+            [*self.wrapper, sys.executable, "-m", "gateway", "serve"],
             cwd=self.workdir,
             env=self.env(),
             stdin=subprocess.DEVNULL,

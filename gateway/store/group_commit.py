@@ -14,6 +14,7 @@ caller is answered only after the COMMIT of its batch returned, i.e. after the f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import sqlite3
 from collections.abc import Callable
@@ -49,12 +50,14 @@ class GroupCommitter:
         *,
         relaxed: bool,
         before_commit: Callable[[], None] = lambda: None,
+        between_batches: Callable[[], None] = lambda: None,
         max_batch: int = 512,
     ) -> None:
         self._conn = conn
         self._executor = executor
         self._relaxed = relaxed
         self._before_commit = before_commit
+        self._between_batches = between_batches
         self._max_batch = max_batch
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,6 +127,10 @@ class GroupCommitter:
                 return
             if stopping:
                 return
+            # after the answers are on their way: upkeep holds up the next batch only; one
+            # that failed (a checkpoint) is tried again after the next batches
+            with contextlib.suppress(sqlite3.Error):
+                self._between_batches()
 
     def _answer(self, batch: list[_Pending], results: list[tuple[bool, Any]]) -> None:
         self.batches += 1

@@ -227,6 +227,20 @@ def owed_cleanup_rows(
     return owed
 
 
+LEASE_COLUMNS = (
+    "resource",
+    "owner",
+    "fence",
+    "client",
+    "acquire_key",
+    "state",
+    "acquired_at",
+    "renewed_at",
+    "expires_at",
+)
+"""What `lease_of` reads of a leases row."""
+
+
 def lease_of(row: Mapping[str, Any]) -> Lease:
     return Lease(
         resource=row["resource"],

@@ -26,7 +26,7 @@ from gateway.core.fences import Issuer
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.core.times import Clock
 from gateway.store import checkpoint_rows as cp
-from gateway.store import sqlite_floors
+from gateway.store import sqlite_admit, sqlite_floors
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -80,7 +80,20 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
+# Retention deletes in small batches, each its own write, so admissions queued behind one
+# wait for a few hundred rows at most; a sweep deletes PRUNE_BATCH * PRUNE_BATCHES rows at
+# most, and a backlog drains over sweeps.
+PRUNE_BATCH = 200
+PRUNE_BATCHES = 50
+# The WAL is folded back into the database by the writer between batches, never inside a
+# commit (SQLite's automatic checkpoint runs inside the commit that crosses its threshold):
+# a PASSIVE checkpoint once this many rows were written since the last (about what SQLite's
+# own 1,000 pages hold), and a TRUNCATE one, which waits for readers, once the WAL holds
+# more than WAL_MAX_FRAMES pages all the same (a reader kept it from being reset).
+CHECKPOINT_AFTER_CHANGES = 2000
+WAL_MAX_FRAMES = 16384  # 64 MiB of 4 KiB pages
+WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is cut back to this after a reset
+PAGE_CACHE_KIB = 64 * 1024  # the writer's page cache: the hot indexes' pages stay in memory
 SCHEMA_VERSION = 6
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
@@ -88,6 +101,13 @@ _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable lim
 _KEY_STATE = (
     f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
     "WHERE k.resource = ? AND k.key = ?"
+)
+
+
+_RECORD_OUTCOME = (
+    "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, forwarded_at = ?, "
+    "completed_at = ?, replayable = ?, response_headers = ?, response_body = ?, "
+    "session = coalesce(?, session) WHERE id = ?"
 )
 
 
@@ -167,11 +187,13 @@ class SqliteStore:
         # Recovery runs before the committer and outside it: failpoints model a store that
         # fails while serving, and a gateway that cannot recover must not start.
         await loop.run_in_executor(self._writer_pool, self._register_and_recover, self._writer_conn)
+        self._checkpointed_at = self._writer_conn.total_changes
         self.committer = GroupCommitter(
             self._writer_conn,
             self._writer_pool,
             relaxed=self._relaxed,
             before_commit=self._before_commit,
+            between_batches=self._checkpoint_when_due,
         )
         self.committer.start()
 
@@ -202,6 +224,9 @@ class SqliteStore:
         if read_only:
             conn.execute("PRAGMA query_only=ON")
         else:
+            conn.execute("PRAGMA wal_autocheckpoint=0")  # the writer's own, between batches
+            conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
             schema = resources.files("gateway.store").joinpath("schema/sqlite.sql").read_text()
             conn.executescript(schema)
             self._migrate(conn)
@@ -243,6 +268,17 @@ class SqliteStore:
         if last is not None:
             self._new_id.continue_after(last)  # ids keep their order across restarts
 
+    def _checkpoint_when_due(self) -> None:
+        """In the writer thread, between batches (`GroupCommitter`)."""
+        conn = self._writer_conn
+        assert conn is not None
+        if conn.total_changes - self._checkpointed_at < CHECKPOINT_AFTER_CHANGES:
+            return
+        self._checkpointed_at = conn.total_changes
+        _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if frames > WAL_MAX_FRAMES:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+
     async def _write(self, op: Callable[[sqlite3.Connection], T], *, durable: bool = False) -> T:
         if self.committer is None:
             raise StoreUnavailable("the store is not open")
@@ -264,45 +300,38 @@ class SqliteStore:
         return await self._write(lambda conn: self._admit(conn, call))
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
+        """One read (`sqlite_admit`), then the writes: for a new call the fence (only when it
+        advances), the receipt and the key."""
         now = self._now()
-        row = sqlite_floors.fence_row(conn, call.resource)
-        known = sqlite_floors.read_floors(conn)
-        current = self._lease(conn, call.resource) if call.issuer == "gateway" else None
+        key, fingerprint = call.idempotency_key, call.fingerprint
+        known = sqlite_admit.read(conn, call.resource, key, with_lease=call.issuer == "gateway")
+        row = known.row
+        current = known.lease
         code, owner = fences.check(
             call.issuer,
             call.fence,
             row.issued,
-            floors.accepted(known, call.resource, row),
+            floors.accepted(known.floors, call.resource, row),
             current.view(now) if current else None,
             call.owner,
             call.client,
             call.clients_configured,
-            floors.bound(known, call.resource, call.issuer, row),
+            floors.bound(known.floors, call.resource, call.issuer, row),
         )
         if code is not None:
             return Refused(code, self._insert_rejection(conn, call.rejection(owner, code), now))
 
-        conn.execute(
-            "INSERT INTO fences (resource, accepted) VALUES (?, ?) ON CONFLICT (resource) "
-            "DO UPDATE SET accepted = max(accepted, excluded.accepted)",
-            (call.resource, call.fence),
-        )
-        key, fingerprint = call.idempotency_key, call.fingerprint
+        if call.fence > row.accepted:  # else the row holds it already: nothing to write
+            conn.execute(
+                "INSERT INTO fences (resource, accepted) VALUES (?, ?) ON CONFLICT (resource) "
+                "DO UPDATE SET accepted = max(accepted, excluded.accepted)",
+                (call.resource, call.fence),
+            )
         if key is None or fingerprint is None:  # a session: no step 5 (docs/contract.md §15)
             receipt_id = self._insert_admitted(conn, call, owner, None, now)
             return Admitted(receipt_id, None, owner, self.instance)
 
-        latest = self._key_state(conn, call.resource, key)
-        pruned = (
-            0
-            if latest is not None
-            else conn.execute(
-                "SELECT count(*) FROM receipts WHERE idempotency_key = ? AND resource = ? "
-                "AND status != 'rejected'",
-                (key, call.resource),
-            ).fetchone()[0]
-        )
-        decision = idempotency.decide(latest, fingerprint, call.retry_statuses, pruned)
+        decision = idempotency.decide(known.latest, fingerprint, call.retry_statuses, known.pruned)
         if isinstance(decision, idempotency.Replay):
             stored = conn.execute(
                 "SELECT http_status, response_headers, response_body FROM receipts WHERE id = ?",
@@ -398,48 +427,58 @@ class SqliteStore:
         return await self._write(lambda conn: self._complete(conn, receipt_id, outcome))
 
     def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> Completion:
+        """A `pending` receipt (nearly every call's) takes its outcome in one statement; any
+        other receipt is read first and decided."""
         now = self._now()
-        row = conn.execute(
-            "SELECT status, resource, idempotency_key FROM receipts WHERE id = ?", (receipt_id,)
-        ).fetchone()
-        completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
-        if completion is Completion.LATE_OUTCOME:
-            # The resolution stands; the tool's own answer is kept beside it for the alert.
-            conn.execute(
-                "UPDATE receipts SET error = 'late_outcome', late = 1, "
-                "http_status = ? WHERE id = ?",
-                (outcome.http_status, receipt_id),
-            )
-        elif completion in (Completion.RECORDED, Completion.LATE):
-            conn.execute(
-                "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, "
-                "forwarded_at = ?, completed_at = ?, replayable = ?, response_headers = ?, "
-                "response_body = ?, session = coalesce(?, session) WHERE id = ?",
-                (
-                    outcome.status,
-                    outcome.http_status,
-                    outcome.error,
-                    int(completion is Completion.LATE),
-                    outcome.forwarded_at,
-                    now,
-                    int(outcome.replayable),
-                    *outcome_columns(outcome),
-                    receipt_id,
-                ),
-            )
+        if conn.execute(
+            f"{_RECORD_OUTCOME} AND status = 'pending'",
+            self._outcome_values(outcome, now, late=False, receipt_id=receipt_id),
+        ).rowcount:
+            completion = outcomes.decide_completion("pending", outcome.status)
+        else:
+            row = conn.execute("SELECT status FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
+            completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
+            if completion is Completion.LATE_OUTCOME:
+                # The resolution stands; the tool's own answer is kept beside it for the alert.
+                conn.execute(
+                    "UPDATE receipts SET error = 'late_outcome', late = 1, "
+                    "http_status = ? WHERE id = ?",
+                    (outcome.http_status, receipt_id),
+                )
+            elif completion in (Completion.RECORDED, Completion.LATE):
+                conn.execute(
+                    _RECORD_OUTCOME,
+                    self._outcome_values(
+                        outcome, now, late=completion is Completion.LATE, receipt_id=receipt_id
+                    ),
+                )
         if outcomes.settles_key(completion, outcome.status):
-            self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
+            self._settle_key(conn, receipt_id, now)
         return completion
 
     @staticmethod
-    def _settle_key(
-        conn: sqlite3.Connection, resource: str, key: str | None, receipt_id: str, now: float
-    ) -> None:
-        """The key's retention starts once its latest receipt is settled."""
+    def _outcome_values(
+        outcome: Outcome, now: float, *, late: bool, receipt_id: str
+    ) -> tuple[object, ...]:
+        return (
+            outcome.status,
+            outcome.http_status,
+            outcome.error,
+            int(late),
+            outcome.forwarded_at,
+            now,
+            int(outcome.replayable),
+            *outcome_columns(outcome),
+            receipt_id,
+        )
+
+    @staticmethod
+    def _settle_key(conn: sqlite3.Connection, receipt_id: str, now: float) -> None:
+        """The key's retention starts once its latest receipt is settled: the key that
+        points at this receipt, if any still does (keys_by_receipt)."""
         conn.execute(
-            "UPDATE idempotency_keys SET expires_at = ? + retention_s "
-            "WHERE resource = ? AND key = ? AND receipt_id = ?",
-            (now, resource, key, receipt_id),
+            "UPDATE idempotency_keys SET expires_at = ? + retention_s WHERE receipt_id = ?",
+            (now, receipt_id),
         )
 
     async def mark_forwarded(self, receipt_id: str) -> None:
@@ -503,8 +542,7 @@ class SqliteStore:
         def op(conn: sqlite3.Connection) -> Receipt | ResolveRefused:
             now = self._now()
             row = conn.execute(
-                "SELECT status, resource, idempotency_key, upstream, forwarded_at, created_at "
-                "FROM receipts WHERE id = ?",
+                "SELECT status, upstream, forwarded_at, created_at FROM receipts WHERE id = ?",
                 (receipt_id,),
             ).fetchone()
             if row is None:
@@ -517,7 +555,7 @@ class SqliteStore:
                 f"completed_at = coalesce(completed_at, ?) WHERE id = ? RETURNING {RECEIPT_SELECT}",
                 (resolution_json(outcome, source, note, now), now, receipt_id),
             ).fetchall()
-            self._settle_key(conn, row["resource"], row["idempotency_key"], receipt_id, now)
+            self._settle_key(conn, receipt_id, now)
             return receipt_of(updated)
 
         return await self._write(op)
@@ -950,20 +988,37 @@ class SqliteStore:
         return await self._write(op)
 
     async def prune(self, receipt_retention_s: float) -> int:
-        def op(conn: sqlite3.Connection) -> int:
-            now = self._now()
-            conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now,))
-            # Index range seeks only, and a bounded batch: this runs in the writer thread,
-            # where every admission waits behind it.
-            cursor = conn.execute(
+        """Keys, then receipts past their retention, PRUNE_BATCH rows per write; how many
+        receipts went."""
+
+        def keys(conn: sqlite3.Connection) -> int:
+            return conn.execute(
+                "DELETE FROM idempotency_keys WHERE (resource, key) IN (SELECT resource, key "
+                "FROM idempotency_keys WHERE expires_at < ? LIMIT ?)",
+                (self._now(), PRUNE_BATCH),
+            ).rowcount
+
+        def receipts(conn: sqlite3.Connection) -> int:
+            # Index range seeks only (receipts_by_completion, keys_by_receipt)
+            return conn.execute(
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
                 f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
                 "idempotency_keys k WHERE k.receipt_id = r.id) LIMIT ?)",
-                (now - receipt_retention_s, PRUNE_BATCH),
-            )
-            return cursor.rowcount
+                (self._now() - receipt_retention_s, PRUNE_BATCH),
+            ).rowcount
 
-        return await self._write(op)
+        await self._in_batches(keys)
+        return await self._in_batches(receipts)
+
+    async def _in_batches(self, op: Callable[[sqlite3.Connection], int]) -> int:
+        """Run the deleting `op` until it deletes less than a batch (or PRUNE_BATCHES times)."""
+        total = 0
+        for _ in range(PRUNE_BATCHES):
+            deleted = await self._write(op)
+            total += deleted
+            if deleted < PRUNE_BATCH:
+                break
+        return total
 
     async def oldest_unknown_age(self) -> float:
         def op(conn: sqlite3.Connection) -> float:

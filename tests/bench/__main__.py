@@ -14,8 +14,11 @@ most, which cancels most of the drift. The memory row runs last, on a fresh gate
 
 Environment: BENCH_ROUNDS (default 5), BENCH_SECONDS per measurement (default 5),
 BENCH_MEMORY_CALLS and BENCH_MEMORY_RESOURCES (default 1,000,000 over 100,000), BENCH_QUICK=1
-for a short run while developing (2 rounds of 2 s, a memory row of 100,000 calls over 10,000).
-The table is printed and written to var/bench.md.
+for a short run while developing (2 rounds of 2 s, a memory row of 100,000 calls over 10,000,
+a cost table of 100 calls). The cost table (tests/bench/costs.py: instructions per call by
+part, from callgrind) needs valgrind; BENCH_COSTS=0 leaves it out. The fdatasync probe
+(tests/bench/fsyncs.py) runs on the databases' filesystem before the rounds and after them.
+The tables are printed and written to var/bench.md.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.bench import fsyncs, wrk
+from tests.bench import costs, fsyncs, wrk
 from tests.bench.nginx import nginx
 from tests.harness import REPO_ROOT, GatewayProcess, make_policy, write_policy
 from tests.pg import drop_database, run_sync, server_sql, url_of
@@ -53,6 +56,7 @@ SERIAL_RESOURCES = 100
 MEMORY_CALLS = int(os.environ.get("BENCH_MEMORY_CALLS", "100000" if QUICK else "1000000"))
 MEMORY_RESOURCES = int(os.environ.get("BENCH_MEMORY_RESOURCES", "10000" if QUICK else "100000"))
 RETENTION_S = 30  # the bench's gateways keep receipts and keys this long: a steady database
+COSTS = os.environ.get("BENCH_COSTS", "1") not in ("", "0")
 PROBE_CONNECTIONS = 4  # beside the 2,000: the latency of calls that were admitted
 
 
@@ -360,6 +364,7 @@ async def run() -> str:
     perf = fsyncs.available()
     with tempfile.TemporaryDirectory(prefix="fence-bench-") as tmp:
         root = Path(tmp)
+        syncs = [fsyncs.fdatasync_ms(root)]
         async with contextlib.AsyncExitStack() as stack:
             upstream = await stack.enter_async_context(process("tests.bench.upstream"))
             peer = await stack.enter_async_context(process("tests.bench.peer", upstream))
@@ -517,12 +522,31 @@ async def run() -> str:
             rows.append(overload_cells)
             rows += [cells(m, base["post"]["peer"], base["post"].get("nginx")) for m in pg_rows]
             rows.append(await memory_row(root, policy))
+            syncs.append(fsyncs.fdatasync_ms(root))
+            cost_rows = await costs.table(upstream) if COSTS and costs.available() else None
 
     fsync_note = (
         "calls/fsync: fsync + fdatasync system calls of the gateway process, counted by `perf stat`"
         if perf
         else "calls/fsync: not measured (perf missing or not permitted)"
     )
+    sync_note = (
+        "fdatasync of a 4 KiB write on the databases' filesystem, before the rounds and after: "
+        + "; ".join(f"median {m:.2f} ms, p99 {p:.2f} ms" for m, p in syncs)
+    )
+    if cost_rows is None:
+        cost_table = "Cost table: not measured (valgrind missing, or BENCH_COSTS=0)."
+    else:
+        cost_table = "\n".join(
+            [
+                f"Instructions per fenced call (strict, JSON log lines), by part: callgrind, "
+                f"{costs.CALLS} calls (tests/bench/costs.py)",
+                "",
+                "| part | k instructions/call | share |",
+                "|---|---|---|",
+                *("| " + " | ".join(row) + " |" for row in cost_rows),
+            ]
+        )
     return "\n".join(
         [
             f"## fence-gateway bench, {time.strftime('%Y-%m-%d %H:%M')}",
@@ -537,6 +561,10 @@ async def run() -> str:
             "",
             f"{fsync_note}. Gateway CPU: user + system time of the gateway process per call. "
             f"Run took {time.monotonic() - started:.0f} s.",
+            "",
+            sync_note + ".",
+            "",
+            cost_table,
         ]
     )
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.store import sqlite as sqlite_module
 from gateway.store.sqlite import SqliteStore, StoreLocked
-from tests.store.test_contract import call
+from tests.store.test_contract import call, ok
 
 
 class TestSingleProcess:
@@ -86,5 +87,86 @@ class TestGroupCommit:
                 "StoreUnavailable",
                 "Admitted",
             ]
+        finally:
+            await store.close()
+
+
+def _statements(store: SqliteStore) -> list[str]:
+    """Every statement the writer connection runs from now on, as it runs it."""
+    seen: list[str] = []
+    store._writer_conn.set_trace_callback(seen.append)
+    return seen
+
+
+def _writes(seen: list[str]) -> list[str]:
+    """The statements of operations: not the group commit's own BEGIN and COMMIT."""
+    return [s for s in seen if s not in ("BEGIN IMMEDIATE", "COMMIT")]
+
+
+class TestWriterWork:
+    """What the writer thread runs per call: few statements, and no checkpoint in a commit."""
+
+    async def test_a_new_call_is_one_read_and_two_writes(self, tmp_path: Path) -> None:
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        try:
+            await store.admit(call(1, key="first"))  # the resource's fence row is written
+            seen = _statements(store)
+            admitted = await store.admit(call(1, key="second"))
+            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT", "INSERT"]
+            seen.clear()
+            assert await store.complete(admitted.receipt_id, ok()) == "recorded"
+            assert [s.split()[0] for s in _writes(seen)] == ["UPDATE", "UPDATE"]
+            seen.clear()
+            await store.admit(call(2, key="third"))  # a higher fence: the row advances
+            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT", "INSERT", "INSERT"]
+        finally:
+            await store.close()
+
+    async def test_the_wal_is_checkpointed_between_batches_and_stays_bounded(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(sqlite_module, "CHECKPOINT_AFTER_CHANGES", 50)
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        try:
+            conn = store._writer_conn
+            assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+            assert conn.execute("PRAGMA cache_size").fetchone()[0] == -64 * 1024
+            seen = _statements(store)
+            wal = tmp_path / "gw.db-wal"
+            sizes = []
+            for i in range(60):
+                await asyncio.gather(
+                    *(store.admit(call(1, key=f"k{i}-{j}", resource=f"r/{j}")) for j in range(20))
+                )
+                sizes.append(wal.stat().st_size)
+            checkpoints = [s for s in seen if s.startswith("PRAGMA wal_checkpoint")]
+            assert checkpoints, "no checkpoint ran"
+            for n, statement in enumerate(seen):  # never inside a transaction
+                if statement.startswith("PRAGMA wal_checkpoint"):
+                    assert seen[n - 1] == "COMMIT", seen[n - 2 : n + 1]
+            # each checkpoint folds every frame back, so the WAL restarts from its beginning:
+            # it holds what about 50 rows dirty, not the 60 batches' 10 MiB and more
+            assert max(sizes) < 2 * 1024 * 1024, sizes[-5:]
+        finally:
+            await store.close()
+
+    async def test_retention_deletes_in_small_batches(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(sqlite_module, "PRUNE_BATCH", 2)
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        try:
+            for i in range(5):
+                rejection = call(1, key=f"r{i}").rejection(None, "stale_fence")
+                await store.reject(rejection)
+            seen = _statements(store)
+            assert await store.prune(0) == 5
+            deletes = [s for s in seen if s.startswith("DELETE FROM receipts")]
+            assert len(deletes) == 3  # 2, 2, then 1: fewer than a batch, so the last
+            assert all(s.endswith("LIMIT 2)") for s in deletes)
+            assert seen.count("COMMIT") >= 3 + 1  # each batch its own write (and the keys')
         finally:
             await store.close()

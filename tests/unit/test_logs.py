@@ -1,0 +1,91 @@
+"""The log line of a served gateway is formatted and written off the event loop's thread, and
+what was logged is on stderr at exit, or, after kill -9, all but the last few milliseconds."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gateway.core.times import rfc3339
+from gateway.observe import logs
+
+
+def test_lines_are_formatted_and_written_by_the_writer_thread(tmp_path: Path) -> None:
+    out = tmp_path / "log"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+    formatted_in: list[str] = []
+
+    class Recording(logs.JsonFormatter):
+        def format(self, record: logging.LogRecord) -> str:
+            formatted_in.append(threading.current_thread().name)
+            return super().format(record)
+
+    handler = logs.QueuedHandler(Recording(), fd)
+    logger = logging.getLogger("test_logs.writer")
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        for n in range(200):
+            logger.handle(
+                logger.makeRecord(logger.name, logging.INFO, "", 0, "call", (), None,
+                                  extra={"fields": {"n": n}})
+            )  # fmt: skip
+        handler.flush()
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [line["n"] for line in lines] == list(range(200))
+        assert {line["event"] for line in lines} == {"call"}
+        assert set(formatted_in) == {"log-writer"}
+    finally:
+        logger.removeHandler(handler)
+        os.close(fd)
+
+
+_CHILD = """
+import os, signal, sys, time
+from gateway.core.times import rfc3339
+from gateway.observe import logs
+logs.configure("json", "INFO")
+for n in range(int(sys.argv[1])):
+    logs.event("call", n=n)
+if sys.argv[2] == "kill":
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _child(calls: int, end: str) -> tuple[int, list[dict[str, object]]]:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(calls), end],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    return done.returncode, [json.loads(line) for line in done.stderr.decode().splitlines()]
+
+
+def test_every_line_is_written_at_exit() -> None:
+    code, lines = _child(5000, "exit")
+    assert code == 0
+    assert [line["n"] for line in lines] == list(range(5000))
+
+
+def test_kill_9_loses_only_the_last_moments() -> None:
+    started = time.monotonic()
+    code, lines = _child(2000, "kill")
+    assert code == -signal.SIGKILL
+    # logged a second before the kill: written by then, however busy the machine was
+    assert [line["n"] for line in lines] == list(range(2000)), time.monotonic() - started
+
+
+def test_the_line_time_is_the_contract_time_to_the_millisecond() -> None:
+    formatter = logs.JsonFormatter()
+    edges = [1764600000.0, 1764600000.999, 1764600001.0005, 1764600001.9999996, 1764600001.9995]
+    spread = [1_000_000_000 + n * 7_654_321.123457 for n in range(2000)]
+    for created in edges + spread + [t + k / 1000 for t in edges for k in range(1000)]:
+        assert formatter._stamp(created) == rfc3339(created), created
