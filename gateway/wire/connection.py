@@ -124,6 +124,9 @@ class Connection(asyncio.Protocol):
             self._transport.close()
 
     def abort(self) -> None:
-        """Close at once, dropping whatever is buffered either way."""
+        """Close at once, dropping whatever is buffered either way. An answer still coming
+        is broken, not ended: a body that runs until the close must not look whole."""
+        if self._answer is not None:
+            self._answer.connection_ended(ConnectionAbortedError("closed by the gateway"))
         if self._transport is not None:
             self._transport.abort()

@@ -218,3 +218,22 @@ async def test_a_slow_reader_pauses_the_tool(scripted) -> None:
             assert len(await read_all(answer)) == size
     finally:
         await pool.close()
+
+
+async def test_closing_the_pool_breaks_an_answer_that_runs_until_the_close(scripted) -> None:
+    """At shutdown the pool aborts what is open: a close-delimited body cut there is broken,
+    never taken for a whole answer (it could be kept for replay)."""
+
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npart")
+        await asyncio.sleep(5)
+
+    tool = await scripted({"/endless": endless})
+    pool = tool.pool()
+    deadline = asyncio.get_running_loop().time() + 5
+    answer = await pool.send("GET", "/endless", HEADERS, None, deadline)
+    assert await answer.read() == b"part"
+    await pool.close()
+    with pytest.raises(ReadError):
+        await answer.read()
+    assert not answer.at_eof()
