@@ -100,6 +100,8 @@ class Pool:
         if self._closed:
             raise ConnectError("the pool is closed")
         loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:  # an idle connection would be taken without a wait
+            raise ConnectError("the call's deadline passed before it could be sent")
         budget = min(deadline, loop.time() + self._connect_timeout_s)
         while True:
             connection = self._take_idle(loop.time())

@@ -237,3 +237,16 @@ async def test_closing_the_pool_breaks_an_answer_that_runs_until_the_close(scrip
     with pytest.raises(ReadError):
         await answer.read()
     assert not answer.at_eof()
+
+
+async def test_a_call_past_its_deadline_is_not_sent(scripted) -> None:
+    """Even with an idle connection at hand, which needs no wait: nothing is written."""
+    tool = await scripted({"/ok": OK})
+    pool = tool.pool()
+    try:
+        await fetch(pool, "/ok")
+        with pytest.raises(ConnectError, match="deadline"):
+            await pool.send("POST", "/ok", HEADERS, b"{}", asyncio.get_running_loop().time())
+        assert len(tool.requests) == 1
+    finally:
+        await pool.close()
