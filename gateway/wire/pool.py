@@ -97,13 +97,13 @@ class Pool:
         """An open connection: an idle one, a new one, or the next to come free, within the
         connect timeout (which, as in aiohttp's client, counts the wait for a free slot too).
         Returns without an `await` after its last look at the connection."""
-        if self._closed:
-            raise ConnectError("the pool is closed")
         loop = asyncio.get_running_loop()
         if loop.time() >= deadline:  # an idle connection would be taken without a wait
             raise ConnectError("the call's deadline passed before it could be sent")
         budget = min(deadline, loop.time() + self._connect_timeout_s)
         while True:
+            if self._closed:  # the app is shutting down (a waiter is woken by `close`)
+                raise ConnectError("the pool is closed")
             connection = self._take_idle(loop.time())
             if connection is not None:
                 return connection
