@@ -250,3 +250,24 @@ async def test_a_call_past_its_deadline_is_not_sent(scripted) -> None:
         assert len(tool.requests) == 1
     finally:
         await pool.close()
+
+
+async def test_a_call_waiting_when_the_pool_closes_is_not_sent(scripted) -> None:
+    gate = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+
+    tool = await scripted({"/held": held, "/ok": OK})
+    pool = tool.pool(limit=1)
+    first = asyncio.create_task(fetch(pool, "/held"))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(fetch(pool, "/ok"))
+    await asyncio.sleep(0.05)
+    await pool.close()
+    with pytest.raises(ConnectError, match="closed"):
+        await second
+    with pytest.raises(ReadError):
+        await first
+    gate.set()
+    assert len(tool.requests) == 1
