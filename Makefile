@@ -10,7 +10,7 @@ FLOOR_VENV := .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 
-.PHONY: run test test-floor bench soak lint clean
+.PHONY: run test test-floor bench soak lint docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,10 +45,17 @@ DURATION ?= 300
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak --duration $(DURATION)
 
+# The documentation site (mkdocs.yml), into site/; --strict: a broken link or anchor fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) var
+	rm -rf $(VENV) $(FLOOR_VENV) var site

@@ -3,6 +3,7 @@ subprocess (`gateway_factory`), and an HTTP client."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ async def gateway_factory(tmp_path: Path, http_parser: str) -> AsyncIterator[Gat
         *,
         extra_env: Mapping[str, str] | None = None,
         sweep_interval_s: float = 0.2,
+        tls: ssl.SSLContext | None = None,
     ) -> GatewayProcess:
         workdir = tmp_path / f"gw{len(started)}"
         workdir.mkdir()
@@ -138,6 +140,7 @@ async def gateway_factory(tmp_path: Path, http_parser: str) -> AsyncIterator[Gat
             policy_path,
             sweep_interval_s=sweep_interval_s,
             extra_env={**parser_env, **(extra_env or {})},
+            tls=tls,
         )
         started.append(gateway)
         return await gateway.start()

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -143,8 +144,9 @@ Script = Behavior | Callable[[Recorded], Behavior]
 class RecordingUpstream:
     """A real aiohttp server that records every request and answers as scripted."""
 
-    def __init__(self, *, base_path: str = "/api") -> None:
+    def __init__(self, *, base_path: str = "/api", tls: ssl.SSLContext | None = None) -> None:
         self.base_path = base_path.rstrip("/")
+        self.tls = tls  # serves HTTPS with this context when given
         self.requests: list[Recorded] = []
         self.default: Script = Behavior()
         self._scripts: dict[str, Script] = {}
@@ -170,7 +172,8 @@ class RecordingUpstream:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("upstream not started")
-        return f"http://127.0.0.1:{self.port}{self.base_path}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.port}{self.base_path}"
 
     def received(self, *, path: str | None = None, method: str | None = None) -> list[Recorded]:
         return [
@@ -194,7 +197,7 @@ class RecordingUpstream:
         # access_log=None: the test output stays readable.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.tls)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self
@@ -440,6 +443,7 @@ class GatewayProcess:
         extra_env: Mapping[str, str] | None = None,
         ready_timeout: float = 15.0,
         port: int | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.workdir = workdir
         self.policy_path = policy_path
@@ -450,6 +454,9 @@ class GatewayProcess:
         # A port given here is kept across restarts, so clients keep one address through
         # kill -9 (the gateway binds with SO_REUSEADDR); else each start takes a fresh one.
         self.fixed_port = port
+        # A gateway serving HTTPS (GATEWAY_TLS_* in extra_env): the client context that
+        # reaches it, for readiness and `url`.
+        self.tls = tls
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -459,7 +466,7 @@ class GatewayProcess:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("gateway not started")
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def stderr_path(self) -> Path:
@@ -526,7 +533,8 @@ class GatewayProcess:
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         timeout = aiohttp.ClientTimeout(total=1.0)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(ssl=self.tls or True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 assert self.proc is not None
                 code = self.proc.poll()

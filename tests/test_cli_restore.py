@@ -146,12 +146,12 @@ class TestSqlite:
 
 
 class TestPostgres:
-    def test_backup_and_plain_restore_name_the_readme_way(
+    def test_backup_and_plain_restore_name_the_documented_way(
         self, environ: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.setenv("GATEWAY_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
         err = failed(capsys, "backup", "b.db")
-        assert "pg_dump" in err and 'README.md, "Backup and restore"' in err
+        assert "pg_dump" in err and "docs/operations/backup-restore.md" in err
         err = failed(capsys, "restore", "b.db")
         assert "pg_restore" in err and "--floor-only" in err
 
@@ -166,8 +166,8 @@ class TestPostgres:
         monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path,
     ) -> None:
-        """The README's way, as written there: dump, lose the database, restore the dump into
-        a new one, `fence-gateway restore --floor-only`."""
+        """The documented way, as docs/operations/backup-restore.md writes it: dump, lose the
+        database, restore the dump into a new one, `fence-gateway restore --floor-only`."""
         source, target = create_database(), create_database()
         try:
             run_sync(fill, url_of(source))

@@ -118,7 +118,7 @@ def _serve(workers: int | None, worker: bool) -> int:
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
     from gateway.server import eventloop
-    from gateway.server.serve import ConfigError, check_open_bind, serve
+    from gateway.server.serve import ConfigError, check_open_bind, serve, serving_tls
     from gateway.server.workers import WorkersError, check_workers, supervise
 
     try:
@@ -131,9 +131,10 @@ def _serve(workers: int | None, worker: bool) -> int:
             logs.event("policy_warning", 30, detail=warning)
         clients = load_clients(settings.clients) if settings.clients else None
         check_open_bind(settings)
+        tls = serving_tls(settings)  # each worker reads the files too: it serves with them
         if settings.workers > 1 and not worker:
             return supervise(settings)
-        eventloop.run(serve(settings, policies, clients, reuse_port=worker))
+        eventloop.run(serve(settings, policies, clients, tls=tls, reuse_port=worker))
     except (_Abort, PolicyError, ConfigError, WorkersError) as exc:
         return _fail(str(exc))
     return 0

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from gateway.config.settings import Settings
 
 EXIT_CONFIG = 2
-README_SECTION = 'README.md, "Backup and restore"'
+BACKUP_PAGE = "docs/operations/backup-restore.md"
 _LISTED_MAX = 50  # known external resources printed by name; more are counted
 _Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)
 
@@ -56,8 +56,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "backup":
         if not sqlite:
             raise RestoreFailed(
-                "backup copies SQLite stores; back up PostgreSQL with pg_dump "
-                f"(see {README_SECTION})"
+                f"backup copies SQLite stores; back up PostgreSQL with pg_dump (see {BACKUP_PAGE})"
             )
         return _backup(url, Path(args.path))
     if args.floor_only == (args.path is not None):
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if not sqlite and not args.floor_only:
         raise RestoreFailed(
             "on PostgreSQL, restore the dump with pg_restore, then run "
-            f"`fence-gateway restore --floor-only` (see {README_SECTION})"
+            f"`fence-gateway restore --floor-only` (see {BACKUP_PAGE})"
         )
     from gateway.config.policy_files import PolicyError, load_policies
 

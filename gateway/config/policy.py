@@ -43,6 +43,9 @@ _NOT_INJECTABLE = frozenset(
 )
 # RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
 _MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
+# A DNS name the certificate of an HTTPS upstream is checked for, and sent as SNI.
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"(?=.{{1,253}}$){_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 # host[:port]: a reg-name of unreserved characters or a bracketed IPv6 literal.
 _AUTHORITY = re.compile(r"(?P<host>[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>.*))?")
 
@@ -52,9 +55,32 @@ class _Model(BaseModel):
 
 
 class Tls(_Model):
+    """How an HTTPS upstream is reached (docs/contract.md §22): its certificate is always
+    verified, against `ca_file` when set (else the system's store), for `server_name` when
+    set (else the URL's host, which is then also the SNI); `cert_file` and `key_file` are a
+    client certificate presented to it. The files are read by `gateway.config.tls`."""
+
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    server_name: str | None = None
+
+    @field_validator("server_name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _DNS_NAME.fullmatch(value):
+            raise ValueError("not a DNS name (letters, digits, '-' and '.', e.g. tool.internal)")
+        return value
+
+    @model_validator(mode="after")
+    def _key_needs_cert(self) -> Tls:
+        if self.key_file and not self.cert_file:
+            raise ValueError("key_file without cert_file: the key belongs to a certificate")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        return any((self.ca_file, self.cert_file, self.key_file, self.server_name))
 
 
 class Upstream(_Model):

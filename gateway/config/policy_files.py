@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gateway.config.policy import PolicyFile, PolicySet, ResourceRule, Upstream
+from gateway.config.tls import TlsFileError, ssl_context_for
 from gateway.config.yaml_file import ConfigFileError, YamlFile
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -55,6 +56,7 @@ def load_policies(
                         f"already used at {seen[kind, value]}"
                     )
                 seen[kind, value] = where
+            _tls_checks(upstream, source, index)
             upstreams.append(_expand(upstream, env, where, index))
         rules.extend(parsed.resources)
         for index, rule in enumerate(parsed.resources):
@@ -131,6 +133,22 @@ def _rule_checks(
             f"{place}: resources[{index}].lease.hmac_secret_env: "
             f"environment variable {secret_env} is not set"
         )
+
+
+def _tls_checks(upstream: Upstream, source: YamlFile, index: int) -> None:
+    """An upstream's `tls` files are read, and its pair matched, as the gateway will
+    (docs/contract.md §22); `tls` on a plain http upstream would be ignored, so it is refused."""
+    if not upstream.url.startswith("https:"):
+        if upstream.tls.configured:
+            raise source.error(
+                ("upstreams", index, "tls"),
+                f"applies to https:// upstreams only, and url is {upstream.url}",
+            )
+        return
+    try:
+        ssl_context_for(upstream.tls)
+    except TlsFileError as exc:
+        raise source.error(("upstreams", index, "tls", exc.field), str(exc)) from None
 
 
 def _expand(upstream: Upstream, env: Mapping[str, str], where: str, index: int) -> Upstream:

@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     restore_fence_gap: int = Field(DEFAULT_GAP, ge=1, le=MAX_FENCE)
     # proxied calls in progress at once: "auto" (an adaptive limit) or a fixed number
     max_inflight: int | Literal["auto"] = "auto"
+    # docs/contract.md §22: HTTPS serving (PEM files), and the CA client certificates need
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -108,6 +108,11 @@ class Metrics:
             ["upstream", "closed_by"],
             registry=registry,
         )
+        self.ready = Gauge(
+            "fence_gateway_ready",
+            "1 while the store accepts this replica's heartbeat writes, 0 while it does not",
+            registry=registry,
+        )
         self.checkpoints = Counter(
             "fence_gateway_checkpoints_total",
             "Checkpoint writes: written, retried (an identical retry), refused, error",

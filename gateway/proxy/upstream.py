@@ -30,6 +30,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config.policy import Upstream
+from gateway.config.tls import ssl_context_for
 from gateway.core import errors
 from gateway.core.outcomes import Outcome
 from gateway.proxy.headers import HOP_BY_HOP, connection_named
@@ -308,16 +309,26 @@ def _pool(upstream: Upstream) -> Pool:
         parts.port or (443 if secure else 80),
         limit=upstream.max_connections,
         connect_timeout_s=upstream.connect_timeout_s,
-        tls=_ssl_context(upstream),
-        server_hostname=host,  # SNI and the name the certificate must carry
+        tls=_tls_of(upstream),
+        # SNI and the name the certificate must carry, unless the context names the
+        # upstream's `tls.server_name` instead (`gateway.config.tls`)
+        server_hostname=host,
     )
+
+
+def _tls_of(upstream: Upstream) -> ssl.SSLContext | None:
+    """The context an `https://` upstream is reached with (its `tls` settings); None for
+    plain http."""
+    return ssl_context_for(upstream.tls) if upstream.url.startswith("https:") else None
 
 
 def _ws_session(upstream: Upstream, trace: aiohttp.TraceConfig) -> aiohttp.ClientSession:
     """The session of `upstream`'s WebSocket handshakes: bytes passed on as they are."""
     session = aiohttp.ClientSession(
         connector=_HandshakeConnector(
-            limit=upstream.max_connections, ssl=_ssl_context(upstream) or True
+            limit=upstream.max_connections,
+            # plain http has no use for it; ssl=True would be aiohttp's own default context
+            ssl=_tls_of(upstream) or True,
         ),
         auto_decompress=False,
         trace_configs=[trace],
@@ -330,16 +341,6 @@ def _ws_session(upstream: Upstream, trace: aiohttp.TraceConfig) -> aiohttp.Clien
     # once, so that retry is switched off (there is no public switch).
     session._retry_connection = False
     return session
-
-
-def _ssl_context(upstream: Upstream) -> ssl.SSLContext | None:
-    """The upstream's TLS settings; None for plain http."""
-    if not upstream.url.startswith("https:"):
-        return None
-    context = ssl.create_default_context(cafile=upstream.tls.ca_file)
-    if upstream.tls.cert_file:
-        context.load_cert_chain(upstream.tls.cert_file, upstream.tls.key_file)
-    return context
 
 
 def require_no_resend_switch() -> None:

@@ -1,7 +1,9 @@
 """The edges of the HTTP server that aiohttp does not expose as settings (docs/contract.md §5):
 
 * a connection that sends no complete request head within `GATEWAY_HEADER_TIMEOUT_S` is
-  closed (aiohttp only has an idle keep-alive timeout, which a slow head resets);
+  closed (aiohttp only has an idle keep-alive timeout, which a slow head resets), and on an
+  HTTPS gateway one whose TLS handshake takes longer than that too (asyncio allows a minute,
+  and aiohttp's site passes on no other bound);
 * requests the HTTP parser refuses are answered with problem+json, oversized heads `431`;
 * request targets are refused `400` alike on aiohttp's C parser and its pure-Python one: a
   target with characters outside ASCII (the C parser refuses it, the Python one passed it on
@@ -14,8 +16,9 @@
   are left to their own checks (docs/contract.md §3).
 
 aiohttp builds its protocol objects inside `web.Server`, with no hook; `GatewayRunner` swaps
-the class of the server it made for a subclass that builds ours. It is the one place that
-leans on aiohttp internals beyond public settings, and tests pin its behaviour.
+the class of the server it made for a subclass that builds ours, and `GatewaySite` opens its
+listening socket as aiohttp's `TCPSite` does, with the handshake bound. It is the one place
+that leans on aiohttp internals beyond public settings, and tests pin its behaviour.
 """
 
 from __future__ import annotations
@@ -156,3 +159,38 @@ class GatewayRunner(web.AppRunner):
 
         server.__class__ = GatewayServer
         return server
+
+
+class GatewaySite(web.TCPSite):
+    """aiohttp's TCPSite, whose TLS handshakes must end within `handshake_timeout_s`."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        handshake_timeout_s: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(runner, host, port, **kwargs)
+        self._handshake_timeout_s = handshake_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            return await super().start()
+        await web.BaseSite.start(self)  # registers the site with its runner, as TCPSite does
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("the runner is not set up")
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._handshake_timeout_s,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]

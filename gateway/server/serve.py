@@ -1,4 +1,5 @@
-"""Running the gateway: bind, serve, and on SIGTERM drain and exit 0 (docs/contract.md §9)."""
+"""Running the gateway: bind (HTTPS when configured), serve, on SIGHUP read the certificate
+again, and on SIGTERM drain and exit 0 (docs/contract.md §9, §22)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,17 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import ssl
 from urllib.parse import urlsplit, urlunsplit
-
-from aiohttp import web
 
 from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
+from gateway.config.tls import TlsField, TlsFileError, reload_pair, server_context
 from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
-from gateway.server.http_server import GatewayRunner
+from gateway.server.http_server import GatewayRunner, GatewaySite
 
 
 class ConfigError(Exception):
@@ -38,6 +39,52 @@ def check_open_bind(settings: Settings) -> None:
     )
 
 
+# The setting that names each file of the gateway's own TLS, for messages.
+_TLS_SETTING: dict[TlsField, str] = {
+    "cert_file": "GATEWAY_TLS_CERT",
+    "key_file": "GATEWAY_TLS_KEY",
+    "ca_file": "GATEWAY_TLS_CLIENT_CA",
+}
+
+
+def serving_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The context the gateway serves HTTPS with, its files read now; None: plain HTTP."""
+    cert, key = settings.tls_cert or None, settings.tls_key or None  # empty: unset
+    if cert is None and key is None:
+        if settings.tls_client_ca:
+            raise ConfigError(
+                "GATEWAY_TLS_CLIENT_CA needs GATEWAY_TLS_CERT and GATEWAY_TLS_KEY: client "
+                "certificates are asked for in the TLS handshake of an HTTPS gateway"
+            )
+        return None
+    if cert is None or key is None:
+        raise ConfigError(
+            "GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together: set both to serve HTTPS, or neither"
+        )
+    try:
+        return server_context(cert, key, settings.tls_client_ca)
+    except TlsFileError as exc:
+        raise ConfigError(f"{_TLS_SETTING[exc.field]}: {exc}") from None
+
+
+def reload_tls(context: ssl.SSLContext | None, settings: Settings) -> None:
+    """SIGHUP: the certificate and key read again into the live context; a pair that will
+    not load is logged and the one in use kept."""
+    if context is None or not settings.tls_cert or not settings.tls_key:
+        logs.event("tls_reload_skipped", detail="SIGHUP, but the gateway serves plain HTTP")
+        return
+    try:
+        reload_pair(context, settings.tls_cert, settings.tls_key)
+    except TlsFileError as exc:
+        logs.event(
+            "tls_reload_failed",
+            logging.ERROR,
+            detail=f"{_TLS_SETTING[exc.field]}: {exc}; still serving the previous certificate",
+        )
+        return
+    logs.event("tls_reloaded", cert=settings.tls_cert, key=settings.tls_key)
+
+
 def without_password(url: str) -> str:
     """A database URL fit for a log line."""
     parts = urlsplit(url)
@@ -57,9 +104,15 @@ def _is_loopback(host: str) -> bool:
 
 
 async def serve(
-    settings: Settings, policies: PolicySet, clients: Clients | None, *, reuse_port: bool = False
+    settings: Settings,
+    policies: PolicySet,
+    clients: Clients | None,
+    *,
+    tls: ssl.SSLContext | None = None,
+    reuse_port: bool = False,
 ) -> None:
-    """Serve until SIGTERM or SIGINT. `reuse_port`: one of several workers on one port."""
+    """Serve until SIGTERM or SIGINT; HTTPS with `tls` (`serving_tls`), reloaded on SIGHUP.
+    `reuse_port`: one of several workers on one port."""
     app = create_app(settings, policies, clients)
     runner = GatewayRunner(
         app,
@@ -79,8 +132,18 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    site = web.TCPSite(
-        runner, settings.host, settings.port, reuse_address=True, reuse_port=reuse_port or None
+    loop.add_signal_handler(signal.SIGHUP, reload_tls, tls, settings)
+    # A worker starts with SIGHUP blocked (gateway.server.workers): one sent meanwhile is
+    # handled now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+    site = GatewaySite(
+        runner,
+        settings.host,
+        settings.port,
+        handshake_timeout_s=settings.header_timeout_s,
+        ssl_context=tls,
+        reuse_address=True,
+        reuse_port=reuse_port or None,
     )
     try:
         await site.start()
@@ -91,6 +154,7 @@ async def serve(
         "serving",
         host=settings.host,
         port=settings.port,
+        scheme="https" if tls else "http",
         instance=app[appkeys.STORE].instance,
         database=without_password(settings.database_url),
         upstreams=",".join(sorted(policies.upstreams)),

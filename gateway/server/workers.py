@@ -3,7 +3,10 @@
 
 Each worker is this program's own `serve`, started with `--worker`: it binds the port with
 SO_REUSEPORT, so the kernel spreads new connections over the workers. This process only
-supervises: it passes SIGTERM and SIGINT on and waits for every worker to drain; it restarts
+supervises: it passes SIGTERM and SIGINT on and waits for every worker to drain; it passes
+SIGHUP on, so that every worker reads its TLS certificate again (docs/contract.md §22), and
+starts each worker with SIGHUP blocked, so that one sent before the worker can reload waits
+for it instead of killing it (`serve` unblocks it once its handler is in place); it restarts
 a worker that dies on its own (at most once a second each), since its peers recover the dead
 one's calls like any replica's; and when a worker exits with a configuration error (status
 2), every worker would, so it stops them all and exits 2.
@@ -60,10 +63,16 @@ def supervise(settings: Settings) -> int:
             if worker.poll() is None:
                 worker.send_signal(signum)
 
+    def hangup(signum: int, _frame: FrameType | None) -> None:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signum)
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, hangup)
     started = [time.monotonic()] * settings.workers
-    workers.extend(subprocess.Popen(worker_command()) for _ in range(settings.workers))
+    workers.extend(_spawn() for _ in range(settings.workers))
     logs.event("workers_started", count=settings.workers, pids=[w.pid for w in workers])
     while True:
         if stopping:
@@ -83,9 +92,18 @@ def supervise(settings: Settings) -> int:
                 if time.monotonic() - started[index] < RESTART_PAUSE_S:
                     continue  # not yet: a worker that dies at once must not spin
                 logs.event("worker_restarted", logging.ERROR, pid=worker.pid, code=code)
-                workers[index] = subprocess.Popen(worker_command())
+                workers[index] = _spawn()
                 started[index] = time.monotonic()
         time.sleep(_POLL_S)
+
+
+def _spawn() -> subprocess.Popen[bytes]:
+    """One worker, with SIGHUP blocked: a child inherits the mask across exec."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        return subprocess.Popen(worker_command())
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _wait_all(workers: list[subprocess.Popen[bytes]]) -> None:

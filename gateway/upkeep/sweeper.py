@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from gateway.core import errors
 from gateway.core.liveness import SILENT_INTERVALS
 from gateway.observe import logs
 from gateway.proxy import appkeys
@@ -81,7 +82,13 @@ async def heartbeat(app: web.Application) -> None:
     """Renew this instance's heartbeat; say so when the store made it go on under a new id."""
     store = app[appkeys.STORE]
     before = store.instance
-    await store.heartbeat()
+    ready = app[appkeys.METRICS].ready
+    try:
+        await store.heartbeat()
+    except errors.StoreUnavailable:
+        ready.set(0)
+        raise
+    ready.set(1)
     if store.instance != before:
         logs.event(
             "instance_lapsed",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -137,6 +138,13 @@ async def ready(session: aiohttp.ClientSession, gateway: GatewayProcess) -> int 
     return result.status
 
 
+async def ready_gauge(session: aiohttp.ClientSession, gateway: GatewayProcess) -> str | None:
+    """`fence_gateway_ready` as the metrics page shows it (the alerting rules read it)."""
+    result = await call(session, "GET", f"{gateway.url}/_gateway/metrics")
+    found = re.search(rb"^fence_gateway_ready (\S+)$", result.body, flags=re.MULTILINE)
+    return found.group(1).decode() if found else None
+
+
 async def eventually(
     probe: Callable[[], Any], expected: Any, *, timeout: float = 5.0, what: str = ""
 ) -> None:
@@ -190,6 +198,7 @@ async def test_a_store_fault_fails_closed_and_heals_without_a_restart(
     fault.start()
     try:
         await eventually(lambda: ready(session, gateway), 503, what="readyz during the fault")
+        await eventually(lambda: ready_gauge(session, gateway), "0.0", what="the ready gauge")
         # §3 step 6: the store cannot commit, so the call is refused and never forwarded.
         refused = [await fenced(session, gateway, n) for n in range(100, 105)]
         assert [(r.status, problem(r)["code"]) for r in refused] == [(503, "store_unavailable")] * 5
@@ -220,6 +229,7 @@ async def test_a_store_fault_fails_closed_and_heals_without_a_restart(
 
     # The same process recovers by itself.
     await eventually(lambda: ready(session, gateway), 200, what="readyz after the fault")
+    await eventually(lambda: ready_gauge(session, gateway), "1.0", what="the ready gauge after")
     taken = await call(
         session, "POST", f"{gateway.url}/_gateway/v1/leases/lease/a", json={"owner": "w"}
     )

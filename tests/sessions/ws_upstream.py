@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ssl
 import time
 from typing import Any
 
@@ -65,8 +66,8 @@ class Refusal:
 
 
 class WsUpstream(RecordingUpstream):
-    def __init__(self, *, base_path: str = "/api") -> None:
-        super().__init__(base_path=base_path)
+    def __init__(self, *, base_path: str = "/api", tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(base_path=base_path, tls=tls)
         self.connections: list[WsConnection] = []
         self.echo = True
         self.reading = True  # False: the tool stops reading its sockets (a slow reader)
