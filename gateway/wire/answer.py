@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from gateway.wire.connection import Connection
 
 # An answer's head (its interim answers included) may take this many bytes, give or take the
-# last read, and this many header lines: the limits aiohttp's client had for its lines.
+# last read, and this many header lines (aiohttp's client allowed 128 too): a tool that never
+# ends its head is cut off there, not at the deadline with the head in memory.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 128
 # Body bytes buffered and not yet read: reading from the tool pauses above HIGH_WATER and
