@@ -11,7 +11,8 @@ from multidict import CIMultiDict
 from gateway.wire.answer import Answer
 from gateway.wire.errors import MaybeSent, ProtocolError, ReadError
 from gateway.wire.pool import Pool
-from tests.wire.conftest import ScriptedTool
+from tests.hostile.wire import WireTool
+from tests.wire.conftest import pool_to
 
 HEADERS = CIMultiDict(Host="tool")
 
@@ -74,8 +75,8 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 @pytest.mark.parametrize("path", sorted(SHAPES))
 async def test_each_shape_ends_where_its_framing_says(scripted, path: str) -> None:
     written, status, body, reused = SHAPES[path]
-    tool: ScriptedTool = await scripted({path: written, "/ok": OK})
-    pool = tool.pool()
+    tool: WireTool = await scripted({path: written, "/ok": OK})
+    pool = pool_to(tool)
     try:
         got = await fetch(pool, path)
         assert (got[0], got[2]) == (status, body)
@@ -87,7 +88,7 @@ async def test_each_shape_ends_where_its_framing_says(scripted, path: str) -> No
 
 async def test_only_the_final_answer_s_headers_are_read(scripted) -> None:
     tool = await scripted({"/interim": SHAPES["/interim"][0]})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         _, headers, _ = await fetch(pool, "/interim")
         assert list(headers.items()) == [("Content-Length", "2")]  # no Link of the 103
@@ -100,7 +101,7 @@ async def test_an_answer_to_head_ends_with_its_head(scripted) -> None:
     its Content-Length, and the connection carries the next call."""
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nX-Doc: 1\r\n\r\n"
     tool = await scripted({"/doc": head, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         status, headers, body = await fetch(pool, "/doc", method="HEAD")
         assert (status, headers["Content-Length"], body) == (200, "10", b"")
@@ -119,7 +120,7 @@ async def test_a_close_delimited_body_ends_with_the_connection(scripted) -> None
         writer.close()
 
     tool = await scripted({"/stream": until_close, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         assert (await fetch(pool, "/stream"))[2] == b"all of it"
         assert (await fetch(pool, "/ok"))[2] == b"ok"
@@ -138,7 +139,7 @@ async def test_a_short_body_breaks_after_what_arrived(scripted) -> None:
         writer.close()
 
     tool = await scripted({"/short": short})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         deadline = asyncio.get_running_loop().time() + 5
         async with await pool.send("GET", "/short", HEADERS, None, deadline) as answer:
@@ -178,7 +179,7 @@ async def test_a_short_body_breaks_after_what_arrived(scripted) -> None:
 )
 async def test_what_is_no_http_answer_is_a_protocol_error(scripted, written: bytes) -> None:
     tool = await scripted({"/bad": written, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         with pytest.raises(ProtocolError) as failed:
             await fetch(pool, "/bad")
@@ -200,7 +201,7 @@ async def test_an_endless_head_is_cut_off(scripted) -> None:
             await writer.drain()
 
     tool = await scripted({"/endless": endless})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises(ProtocolError, match="head is over"):

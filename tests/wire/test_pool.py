@@ -12,13 +12,14 @@ from multidict import CIMultiDict
 from gateway.wire.answer import HIGH_WATER
 from gateway.wire.errors import ConnectError, NotSent, ReadError, ReadTimeout, Unencodable
 from gateway.wire.pool import Pool
-from tests.wire.conftest import ScriptedTool
+from tests.hostile.wire import WireTool
+from tests.wire.conftest import pool_to
 from tests.wire.test_framing import HEADERS, OK, fetch, read_all
 
 
 async def test_a_connection_is_reused_after_a_whole_answer(scripted) -> None:
-    tool: ScriptedTool = await scripted({"/ok": OK})
-    pool = tool.pool()
+    tool: WireTool = await scripted({"/ok": OK})
+    pool = pool_to(tool)
     try:
         for _ in range(3):
             assert (await fetch(pool, "/ok"))[2] == b"ok"
@@ -38,7 +39,7 @@ async def test_an_answer_released_unread_closes_its_connection(scripted) -> None
         writer.write(b"cd")
 
     tool = await scripted({"/slow": slow_body, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         deadline = asyncio.get_running_loop().time() + 5
         async with await pool.send("GET", "/slow", HEADERS, None, deadline) as answer:
@@ -60,7 +61,7 @@ async def test_bytes_on_an_idle_connection_drop_it(scripted) -> None:
         writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nsmuggle")
 
     tool = await scripted({"/later": longer_later, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         assert (await fetch(pool, "/later"))[2] == b"hello"
         await asyncio.sleep(0.3)
@@ -80,12 +81,12 @@ async def test_an_idle_connection_the_tool_closed_is_not_used(scripted) -> None:
         writer.close()  # the tool's keep-alive timeout, at once
 
     tool = await scripted({"/once": then_close, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         assert (await fetch(pool, "/once"))[2] == b"ok"
         await asyncio.sleep(0.1)
         assert (await fetch(pool, "/ok"))[2] == b"ok"
-        assert [head.split(b" ")[1] for _, head in tool.requests] == [b"/once", b"/ok"]
+        assert [head.split(b" ")[1] for head in tool.heads] == [b"/once", b"/ok"]
         assert tool.connections == [1, 2]
     finally:
         await pool.close()
@@ -99,13 +100,13 @@ async def test_a_call_the_tool_read_and_dropped_is_never_sent_again(scripted) ->
         writer.transport.abort()
 
     tool = await scripted({"/ok": OK, "/drop": drop})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         await fetch(pool, "/ok")  # a pooled connection first, where a client might retry
         with pytest.raises(ReadError):
             await fetch(pool, "/drop", method="PUT")
         await asyncio.sleep(0.1)
-        assert [head.split(b" ")[:2] for _, head in tool.requests] == [
+        assert [head.split(b" ")[:2] for head in tool.heads] == [
             [b"GET", b"/ok"],
             [b"PUT", b"/drop"],
         ]
@@ -118,7 +119,7 @@ async def test_no_answer_by_the_deadline_is_a_read_timeout(scripted) -> None:
         await asyncio.sleep(5)
 
     tool = await scripted({"/silent": silent, "/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         deadline = asyncio.get_running_loop().time() + 0.2
         with pytest.raises(ReadTimeout):
@@ -137,7 +138,7 @@ async def test_the_bound_holds_and_a_freed_connection_is_handed_on(scripted) -> 
         writer.write(OK)
 
     tool = await scripted({"/held": held, "/ok": OK})
-    pool = tool.pool(limit=1)
+    pool = pool_to(tool, limit=1)
     try:
         first = asyncio.create_task(fetch(pool, "/held"))
         await asyncio.sleep(0.05)
@@ -159,13 +160,13 @@ async def test_a_wait_for_a_free_connection_ends_with_the_connect_timeout(script
         writer.write(OK)
 
     tool = await scripted({"/held": held, "/ok": OK})
-    pool = tool.pool(limit=1, connect_timeout_s=0.2)
+    pool = pool_to(tool, limit=1, connect_timeout_s=0.2)
     try:
         first = asyncio.create_task(fetch(pool, "/held"))
         await asyncio.sleep(0.05)
         with pytest.raises(ConnectError, match="busy"):
             await fetch(pool, "/ok")
-        assert len(tool.requests) == 1  # the waiting call was never sent
+        assert len(tool.heads) == 1  # the waiting call was never sent
         gate.set()
         await first
     finally:
@@ -186,13 +187,13 @@ async def test_a_refused_connection_is_not_sent() -> None:
 
 async def test_a_head_that_would_inject_headers_is_not_sent(scripted) -> None:
     tool = await scripted({"/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         deadline = asyncio.get_running_loop().time() + 5
         injected = CIMultiDict(Host="tool", **{"X-Custom": "a\r\nX-Fence-Token: 99"})
         with pytest.raises(Unencodable):
             await pool.send("GET", "/ok", injected, None, deadline)
-        assert tool.requests == []
+        assert tool.heads == []
     finally:
         await pool.close()
 
@@ -209,7 +210,7 @@ async def test_a_slow_reader_pauses_the_tool(scripted) -> None:
             await writer.drain()
 
     tool = await scripted({"/big": big})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         deadline = asyncio.get_running_loop().time() + 30
         async with await pool.send("GET", "/big", HEADERS, None, deadline) as answer:
@@ -229,7 +230,7 @@ async def test_closing_the_pool_breaks_an_answer_that_runs_until_the_close(scrip
         await asyncio.sleep(5)
 
     tool = await scripted({"/endless": endless})
-    pool = tool.pool()
+    pool = pool_to(tool)
     deadline = asyncio.get_running_loop().time() + 5
     answer = await pool.send("GET", "/endless", HEADERS, None, deadline)
     assert await answer.read() == b"part"
@@ -242,12 +243,12 @@ async def test_closing_the_pool_breaks_an_answer_that_runs_until_the_close(scrip
 async def test_a_call_past_its_deadline_is_not_sent(scripted) -> None:
     """Even with an idle connection at hand, which needs no wait: nothing is written."""
     tool = await scripted({"/ok": OK})
-    pool = tool.pool()
+    pool = pool_to(tool)
     try:
         await fetch(pool, "/ok")
         with pytest.raises(ConnectError, match="deadline"):
             await pool.send("POST", "/ok", HEADERS, b"{}", asyncio.get_running_loop().time())
-        assert len(tool.requests) == 1
+        assert len(tool.heads) == 1
     finally:
         await pool.close()
 
@@ -259,7 +260,7 @@ async def test_a_call_waiting_when_the_pool_closes_is_not_sent(scripted) -> None
         await gate.wait()
 
     tool = await scripted({"/held": held, "/ok": OK})
-    pool = tool.pool(limit=1)
+    pool = pool_to(tool, limit=1)
     first = asyncio.create_task(fetch(pool, "/held"))
     await asyncio.sleep(0.05)
     second = asyncio.create_task(fetch(pool, "/ok"))
@@ -270,4 +271,4 @@ async def test_a_call_waiting_when_the_pool_closes_is_not_sent(scripted) -> None
     with pytest.raises(ReadError):
         await first
     gate.set()
-    assert len(tool.requests) == 1
+    assert len(tool.heads) == 1
