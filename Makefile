@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The lowest aiohttp pyproject.toml allows: `make test-floor` runs the suite on it, in a venv
-# of its own.
+# of its own, with the lowest MCP SDK and HTTP clients the test extra allows.
 AIOHTTP_FLOOR := 3.14.4
+CLIENT_FLOORS := mcp==2.0.0 httpx==0.27.0 httpx2==2.7.0 requests==2.32.3
 FLOOR_VENV := .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(FLOOR_VENV)
 	$(FLOOR_BIN)/pip install -q --upgrade pip
-	$(FLOOR_BIN)/pip install -q -e '.[test]' 'aiohttp==$(AIOHTTP_FLOOR)'
+	$(FLOOR_BIN)/pip install -q -e '.[test]' 'aiohttp==$(AIOHTTP_FLOOR)' $(CLIENT_FLOORS)
 	touch $(FLOOR_STAMP)
 
 run: $(STAMP)

@@ -184,15 +184,22 @@ class FakeGateway:
             return _problem(409, "stale_fence", resource=resource)
         if request.path.endswith("/missing"):
             return web.Response(status=404, text="no such thing")
+        if request.path.endswith("/moved"):  # a tool that redirects where `?to=` says
+            return web.Response(status=307, headers={"Location": request.query["to"]})
         return web.json_response({"ok": True}, headers={"X-Receipt-Id": "r-1"})
 
 
-@pytest.fixture
-async def fake(aiohttp_server: Any) -> Any:
+async def start_fake(aiohttp_server: Any) -> FakeGateway:
+    """The fake gateway, served on 127.0.0.1 (`.url`) for one test."""
     gw = FakeGateway()
     server = await aiohttp_server(gw.app())
     gw.url = str(server.make_url(""))  # type: ignore[attr-defined]
     return gw
+
+
+@pytest.fixture
+async def fake(aiohttp_server: Any) -> Any:
+    return await start_fake(aiohttp_server)
 
 
 @pytest.fixture

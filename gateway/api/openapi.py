@@ -213,6 +213,12 @@ _SCHEMAS: dict[str, Any] = {
                     },
                 ],
             },
+            "trace_id": {
+                "description": "the call's trace, when the gateway's span of it was sampled "
+                "(docs/contract.md §21)",
+                "type": ["string", "null"],
+                "pattern": "^[0-9a-f]{32}$",
+            },
             "resolution": {
                 "oneOf": [
                     {"type": "null"},

@@ -118,13 +118,20 @@ def _serve(workers: int | None, worker: bool) -> int:
     from gateway.config.policy_files import PolicyError, load_policies
     from gateway.observe import logs
     from gateway.server import eventloop
-    from gateway.server.serve import ConfigError, check_open_bind, serve, serving_tls
+    from gateway.server.serve import (
+        ConfigError,
+        check_open_bind,
+        check_tracing,
+        serve,
+        serving_tls,
+    )
     from gateway.server.workers import WorkersError, check_workers, supervise
 
     try:
         settings = _settings(workers)
         logs.configure(settings.log_format, settings.log_level)
         check_workers(settings)
+        check_tracing(settings)
         warnings: list[str] = []
         policies = load_policies(settings.policies, warnings=warnings)
         for warning in warnings:

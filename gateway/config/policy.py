@@ -11,10 +11,17 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.core.globs import glob_matches, valid_glob
-from gateway.core.mcp import tool_matches, valid_tool_glob
+from gateway.core.mcp import ToolTreatment, tool_matches, treat_tool, valid_tool_glob
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -98,8 +105,12 @@ class Upstream(_Model):
     cdp: bool = False
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_idle_timeout_s: float = Field(300, gt=0)
-    # An MCP server (docs/contract.md §16): fenced per tool call, by its rules' `tools`.
+    # An MCP server (docs/contract.md §16): fenced per tool call, by its rules' `tools`;
+    # a tool call no rule fences is refused or passed by `unmatched_tools`, unless one of the
+    # `unfenced_tools` globs names it (docs/contract.md §20).
     mcp: bool = False
+    unmatched_tools: Literal["refuse", "pass"] = "pass"
+    unfenced_tools: tuple[str, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -114,6 +125,25 @@ class Upstream(_Model):
                 "do not apply to it"
             )
         return data
+
+    @field_validator("unmatched_tools", "unfenced_tools")
+    @classmethod
+    def _mcp_only(cls, value: object, info: ValidationInfo) -> object:
+        # runs only when the field is written (defaults are not validated); `mcp` comes first
+        if info.data.get("mcp") is not True:
+            raise ValueError(f"{info.field_name} applies to upstreams with mcp: true only")
+        return value
+
+    @field_validator("unfenced_tools")
+    @classmethod
+    def _tool_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in value:
+            if not valid_tool_glob(pattern):
+                raise ValueError(
+                    f"{pattern!r} is not a tool glob: 1 to 128 visible ASCII characters, "
+                    "* for any run of them"
+                )
+        return value
 
     @field_validator("url")
     @classmethod
@@ -350,6 +380,10 @@ class PolicySet:
             name: frozenset().union(*(r.fenced_methods for r in rules)) if rules else frozenset()
             for name, rules in self.rules_of.items()
         }
+        self.tool_globs = {  # the `tools` globs of all the rules of each (MCP) upstream
+            name: tuple(glob for rule in rules for glob in rule.tools or ())
+            for name, rules in self.rules_of.items()
+        }
 
     def route(self, path: str) -> tuple[Upstream, str] | None:
         """The upstream whose mount is the longest prefix of `path`, and the rest of it."""
@@ -365,9 +399,11 @@ class PolicySet:
                 return rule
         return None
 
-    def fences_tool(self, upstream: str, tool: str) -> bool:
-        """Whether a tool call of an MCP upstream is fenced: some rule's `tools` match it."""
-        return any(rule.fences_tool(tool) for rule in self.rules_of.get(upstream, ()))
+    def tool_treatment(self, upstream: Upstream, tool: str) -> ToolTreatment:
+        """Whether a tool call of an MCP upstream is fenced, passed unfenced or refused."""
+        return treat_tool(
+            tool, self.tool_globs[upstream.name], upstream.unfenced_tools, upstream.unmatched_tools
+        )
 
     def tool_rule(self, upstream: str, resource: str, tool: str) -> ResourceRule | None:
         """The first rule of an MCP upstream that covers both the resource and the tool."""

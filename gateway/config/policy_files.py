@@ -37,7 +37,7 @@ def load_policies(
 
     `environ` resolves `${NAME}` in `inject_headers`; `warnings` collects advice that does
     not stop the gateway (an external issuer without a signature secret, an upstream that no
-    rule fences).
+    rule fences, an MCP upstream that passes the tools no rule names).
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     upstreams: list[Upstream] = []
@@ -73,12 +73,13 @@ def load_policies(
     mcp_checks(upstreams, rules, places)
     if warnings is not None:
         # Allowed (a read-only tool needs no fencing), but it fails open: say so at start.
+        # (An MCP upstream refusing unmatched tools fails closed, rules or not.)
         ruled = {rule.upstream for rule in rules}
         warnings.extend(
             f"{seen['name', u.name]}: upstream {u.name} has no resource rule: every call to it "
             "is forwarded unfenced, without a receipt"
             for u in upstreams
-            if u.name not in ruled
+            if u.name not in ruled and u.unmatched_tools == "pass"
         )
         # An upgrade is always fenced (docs/contract.md §15): with no rule, none is admitted.
         warnings.extend(
@@ -86,6 +87,15 @@ def load_policies(
             "resource rule: every upgrade is refused (resource_not_allowed)"
             for u in upstreams
             if u.websocket and u.name not in ruled
+        )
+        # Allowed too, but a tool newly added to the server is then forwarded unfenced.
+        warnings.extend(
+            f"{seen['name', u.name]}: upstream {u.name} is an MCP server left on "
+            "unmatched_tools: pass: a tool call no rule's tools name (a tool newly added to "
+            "the server too) is forwarded unfenced; say unmatched_tools: refuse and list the "
+            "read-only tools in unfenced_tools"
+            for u in upstreams
+            if u.mcp and u.unmatched_tools == "pass"
         )
     secrets = {
         r.lease.hmac_secret_env: env[r.lease.hmac_secret_env].encode()

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # docs/contract.md §21: spans of proxied calls, with the otel extra; OTEL_* configure them
+    otel: bool = False
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -11,6 +11,7 @@
     ├── FenceNotIssued                403 fence_not_issued
     ├── NotLeaseHolder                403 not_lease_holder
     ├── BadFenceSignature             403 bad_fence_signature
+    ├── ToolNotAllowed                403 tool_not_allowed
     ├── NotFound                      404 not_found
     ├── NoRoute                       404 no_route
     ├── MethodNotAllowed              405 method_not_allowed
@@ -111,6 +112,10 @@ class NotLeaseHolder(GatewayError):
 
 class BadFenceSignature(GatewayError):
     status, code, title = 403, "bad_fence_signature", "Bad fence signature"
+
+
+class ToolNotAllowed(GatewayError):
+    status, code, title = 403, "tool_not_allowed", "Tool not allowed"
 
 
 class NotFound(GatewayError):

@@ -49,6 +49,7 @@ class ToolCall:
     tool: str
     operation: bytes  # the canonical arguments (and a later round's inputs): what it does
     lease_entry: object | None  # params._meta[LEASE_META_KEY] as sent, None when absent
+    meta: dict[str, Any] | None  # params._meta as sent (a trace context may be there, §21)
     stripped_body: bytes | None  # the body without the lease entry; None: it had none
 
 
@@ -166,6 +167,7 @@ def _tool_call(document: dict[str, Any], params: Any) -> ToolCall:
         tool=params["name"],
         operation=operation,
         lease_entry=meta.get(LEASE_META_KEY) if meta else None,
+        meta=meta,
         stripped_body=_without_lease(document, params),
     )
 
@@ -340,6 +342,26 @@ def valid_tool_glob(pattern: str) -> bool:
 
 def tool_matches(patterns: tuple[str, ...] | list[str], tool: str) -> bool:
     return any(_tool_regex(pattern).fullmatch(tool) is not None for pattern in patterns)
+
+
+ToolTreatment = Literal["fenced", "unfenced", "refused"]
+
+
+def treat_tool(
+    tool: str,
+    fenced: tuple[str, ...],
+    unfenced: tuple[str, ...],
+    unmatched: Literal["refuse", "pass"],
+) -> ToolTreatment:
+    """What a tool call of an MCP upstream gets (docs/contract.md §16, §20): fenced when a
+    rule's `tools` glob names it (even if `unfenced_tools` names it too: the safe side wins),
+    unfenced when an `unfenced_tools` glob does, and otherwise what `unmatched_tools` says, so
+    that with `refuse` a tool newly added to the server fails closed."""
+    if tool_matches(fenced, tool):
+        return "fenced"
+    if unmatched == "pass" or tool_matches(unfenced, tool):
+        return "unfenced"
+    return "refused"
 
 
 @lru_cache(maxsize=1024)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from gateway.proxy.flow import Flow
     from gateway.proxy.ordering import Lanes
     from gateway.proxy.sessions import OpenSessions
+    from gateway.proxy.traces import Tracing
     from gateway.proxy.upstream import Upstreams
     from gateway.store import Store
 
@@ -30,6 +31,8 @@ CLIENTS: web.AppKey[Clients | None] = web.AppKey("clients")  # None: the gateway
 IN_FLIGHT: web.AppKey[set[str]] = web.AppKey("in_flight")
 # The sessions (fenced WebSockets, docs/contract.md §15) open in this process.
 SESSIONS: web.AppKey[OpenSessions] = web.AppKey("sessions")
+# Tracing (docs/contract.md §21): the hook of `gateway.proxy.traces`; None when it is off.
+TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")
 
 # Per-request state: the request id (set first, by the middleware), the authenticated client,
 # and the flow the call path fills in (read back by the middleware's problem and log line).

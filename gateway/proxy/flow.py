@@ -11,13 +11,16 @@ its own on the side.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core.mcp import McpRecord
 from gateway.core.receipts import Kind
 from gateway.proxy import headers
 from gateway.store.base import Admitted, Call, Rejection
+
+if TYPE_CHECKING:
+    from gateway.proxy.traces import CallTrace
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +43,11 @@ class Flow:
     kind: Kind = "call"  # "session": a WebSocket upgrade (docs/contract.md §15)
     session: dict[str, Any] = field(default_factory=dict)  # a session's end, for its log line
     mcp: McpRecord | None = None  # an MCP tool call's tool and JSON-RPC id (§16)
+    outcome: str | None = None  # the receipt's status once the outcome is known
+    # docs/contract.md §21: the call's span when tracing is on (None when off), and the trace
+    # id the receipt and the log line carry once a sampled span started
+    trace: CallTrace | None = None
+    trace_id: str | None = None
 
     @property
     def receipt_id(self) -> str | None:
@@ -87,6 +95,7 @@ class Flow:
             "path": self.rest,
             "kind": self.kind,
             "mcp": self.mcp,
+            "trace_id": self.trace_id,
         }
 
     def answer_headers(self, receipt_id: str) -> dict[str, str]:
@@ -110,4 +119,5 @@ class Flow:
             "status": self.status,
             "kind": self.kind,
             "session_end": self.session,
+            "trace_id": self.trace_id,
         }

@@ -145,6 +145,7 @@ async def forward(
             blocked = "instance_lapsed"
         if blocked is not None:
             outcome = Outcome("not_sent", error=blocked)
+            flow.outcome = outcome.status
             error = blocked_error(blocked, call.resource, rule.queue_timeout_s)
             yield Exchange(
                 outcome, await record(app, receipt_id, outcome), loop.time(), error=error
@@ -176,6 +177,7 @@ async def forward(
             metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
+            flow.outcome = outcome.status
             if outcome.status == "outcome_unknown":
                 metrics.outcome_unknown.labels(upstream.name).inc()
             yield Exchange(
@@ -190,7 +192,7 @@ async def forward(
             flow.upstream_s = time.time() - forwarded_at
             metrics.upstream_of(upstream.name).observe(flow.upstream_s)
             failpoints.crash_at("after_upstream")
-            flow.status = head.status
+            flow.status, flow.outcome = head.status, outcome.status
             yield Exchange(
                 outcome, await record(app, receipt_id, outcome), deadline, head=head, answer=answer
             )

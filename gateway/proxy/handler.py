@@ -26,7 +26,7 @@ from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.ordering import Place
 from gateway.proxy.relay import Head, read_body, read_head, stream_back, upstream_headers
-from gateway.proxy.route import route
+from gateway.proxy.route import Route, route
 from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Call, Refused, Replayed
 
@@ -34,8 +34,7 @@ _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    policies = request.app[appkeys.POLICIES]
-    found = route(request, policies)
+    found = route(request, request.app[appkeys.POLICIES])
     flow = Flow(
         request[appkeys.REQUEST_ID],
         upstream=found.upstream,
@@ -44,11 +43,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request_target=found.request_target,
     )
     request[appkeys.FLOW] = flow
+    tracing = request.app[appkeys.TRACING]  # None, unless GATEWAY_OTEL (docs/contract.md §21)
+    if tracing is not None:
+        return await tracing.call(request, flow, lambda: _dispatch(request, flow, found))
+    return await _dispatch(request, flow, found)
+
+
+async def _dispatch(request: web.Request, flow: Flow, found: Route) -> web.StreamResponse:
     if found.websocket:
         return await sessions.handle(request, flow, found.upstream)
     if found.upstream.mcp:  # fenced per tool call, not per method (docs/contract.md §16)
         return await mcp.handle(request, flow, found.upstream)
-    if request.method in policies.fenced_methods[found.upstream.name]:
+    if request.method in request.app[appkeys.POLICIES].fenced_methods[found.upstream.name]:
         return await _fenced(request, flow, found.upstream)
     return await _plain(request, flow, found.upstream)
 

@@ -9,7 +9,9 @@ stream of server-sent events. Refusals are JSON-RPC errors (the server edge writ
 `answers_in_jsonrpc`); a replay is the stored answer under the retrying request's id.
 
 Everything else (`initialize`, `tools/list`, notifications, the 2025 revisions' GET streams
-and DELETE) passes unfenced, with its stream left open as long as both sides keep it.
+and DELETE) passes unfenced, with its stream left open as long as both sides keep it; so
+does a tool call no rule fences, unless the upstream says `unmatched_tools: refuse` and no
+`unfenced_tools` glob names the tool.
 """
 
 from __future__ import annotations
@@ -83,10 +85,17 @@ async def handle(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     )
     checks.identify_caller(request)  # after the body (docs/contract.md §16, "Order of checks")
     sent = message.stripped_body if message.stripped_body is not None else body
-    policies = request.app[appkeys.POLICIES]
-    if isinstance(message, jsonrpc.OtherMessage) or not policies.fences_tool(
-        upstream.name, message.tool
-    ):
+    if isinstance(message, jsonrpc.OtherMessage):
+        return await _unfenced(request, flow, upstream, sent)
+    if flow.trace is not None:  # traced: the span continues the call's _meta trace (§21)
+        flow.trace.continue_from(message.meta)
+    treatment = request.app[appkeys.POLICIES].tool_treatment(upstream, message.tool)
+    if treatment == "refused":  # no rule governs it: no receipt (docs/contract.md §20)
+        raise errors.ToolNotAllowed(
+            f"upstream {upstream.name} fences no tool {message.tool!r} and does not list it "
+            "in unfenced_tools (unmatched_tools: refuse)"
+        )
+    if treatment == "unfenced":
         return await _unfenced(request, flow, upstream, sent)
     return await _fenced(request, flow, upstream, message, sent)
 

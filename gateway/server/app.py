@@ -28,16 +28,17 @@ def create_app(
     settings: Settings, policies: PolicySet, clients: Clients | None = None
 ) -> web.Application:
     app = web.Application(middlewares=[problems, authenticate], client_max_size=1024**2)
-    overload.install(app, settings.max_inflight)  # GATEWAY_MAX_INFLIGHT: first of all
     app[appkeys.CLIENTS] = clients
     app[appkeys.SETTINGS] = settings
     app[appkeys.POLICIES] = policies
     app[appkeys.METRICS] = Metrics()
+    overload.install(app, settings.max_inflight)  # applied by the HTTP server, on each head
     app[appkeys.LANES] = Lanes()
     app[appkeys.IN_FLIGHT] = set()
     sessions.install(app)  # fenced WebSockets: the open ones, and their end at shutdown
     app[appkeys.FAILPOINTS] = Failpoints(settings.failpoint_map)
-    app.cleanup_ctx.extend([_store_ctx, _upstreams_ctx, sweeper_ctx])
+    app[appkeys.TRACING] = None  # until _tracing_ctx, when GATEWAY_OTEL is set
+    app.cleanup_ctx.extend([_tracing_ctx, _store_ctx, _upstreams_ctx, sweeper_ctx])
     app.router.add_routes(ops.routes)
     app.router.add_routes(receipts.routes)
     app.router.add_routes(leases.routes)
@@ -70,8 +71,23 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     await store.close()
 
 
+async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With GATEWAY_OTEL, the tracing hook (docs/contract.md §21); its module, and with it
+    opentelemetry, is imported only then. Made in each worker, after any fork."""
+    if not app[appkeys.SETTINGS].otel:
+        yield
+        return
+    from gateway.proxy.traces import Tracing
+
+    tracing = app[appkeys.TRACING] = Tracing(app[appkeys.POLICIES])
+    yield
+    await tracing.close()
+
+
 async def _upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstreams = Upstreams(app[appkeys.POLICIES].upstreams)
+    tracing = app[appkeys.TRACING]
+    configured = app[appkeys.POLICIES].upstreams
+    upstreams = Upstreams(configured) if tracing is None else tracing.upstreams(configured)
     await upstreams.open()
     app[appkeys.UPSTREAMS] = upstreams
     yield

@@ -13,24 +13,40 @@
 * so is a request with a header to pass on to the tool whose value has bytes that are not
   UTF-8: aiohttp's client cannot send it as received (its C writer drops those bytes, its
   Python writer fails after the connection was taken). The headers the gateway reads itself
-  are left to their own checks (docs/contract.md §3).
+  are left to their own checks (docs/contract.md §3);
+* `GATEWAY_MAX_INFLIGHT` (gateway.server.overload) is applied to each request as its head is
+  parsed, before aiohttp builds a request object or a task for it. A shed call with nothing
+  ahead of it on its connection and its body all in (a crowd's every call) is answered there
+  and then, and its connection is not read again for the Retry-After second it was told;
+  any other (pipelined behind another call, its body still coming, HTTP/1.0, an upgrade) is
+  answered in its turn through aiohttp, which reads and drops its body. A counted call's
+  time runs from the parse of its head to the end of the writing of its answer.
 
-aiohttp builds its protocol objects inside `web.Server`, with no hook; `GatewayRunner` swaps
-the class of the server it made for a subclass that builds ours, and `GatewaySite` opens its
-listening socket as aiohttp's `TCPSite` does, with the handshake bound. It is the one place
-that leans on aiohttp internals beyond public settings, and tests pin its behaviour.
+Every request on a connection comes out of aiohttp's parser, which `_AdmittingParser` wraps
+so that each goes through the checks above before aiohttp queues it. aiohttp builds its
+protocol objects inside `web.Server`, with no hook; `GatewayRunner` swaps the class of the
+server it made for a subclass that builds ours, and `GatewaySite` opens its listening socket
+as aiohttp's `TCPSite` does, with the TLS handshake bound. It is the one place that leans on
+aiohttp internals beyond public settings (the parser's queue, the protocol's request loop, its
+read pausing), and tests pin its behaviour on the newest aiohttp and the oldest allowed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, InvalidURLError, LineTooLong
-from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler, _ErrInfo, _MsgType
+from aiohttp.web_request import BaseRequest
 
 from gateway.core import errors
+from gateway.proxy import appkeys
 from gateway.proxy.headers import (
     GATEWAY_OWNED,
     HOP_BY_HOP,
@@ -38,6 +54,7 @@ from gateway.proxy.headers import (
     REQUEST_ID_HEADER,
 )
 from gateway.server.middleware import problem_response
+from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer
 
 # Headers never passed on as the client sent them: the gateway reads, replaces or drops them
 # (GATEWAY_OWNED holds the fencing headers).
@@ -58,48 +75,187 @@ def _not_utf8(headers: Any) -> str | None:
     return None
 
 
+def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
+    """The parser error a request the module's docstring refuses should have been, or None."""
+    target, url = message.path, message.url
+    if not target.isascii():
+        return InvalidURLError(f"the request target {target[:100]!r} is not ASCII")
+    if url.absolute:
+        try:
+            url.host  # noqa: B018 - what building the request reads, and may fail on
+        except ValueError:
+            return InvalidURLError(f"the host of {target[:100]!r} is not valid")
+    if not target.startswith("/_gateway/"):
+        name = _not_utf8(message.headers)
+        if name is not None:
+            return BadHttpMessage(f"header {name} has bytes that are not UTF-8")
+    return None
+
+
+def _wire(answer: ShedAnswer, *, close: bool, to_head: bool) -> bytes:
+    """A shed call's answer as the server writes it, with the headers aiohttp would add (and
+    no body after them when it answers a HEAD, which HTTP says has none)."""
+    lines = ["HTTP/1.1 503 Service Unavailable"]
+    lines += [f"{name}: {value}" for name, value in answer.headers]
+    lines += [
+        f"Content-Length: {len(answer.body)}",
+        f"Date: {rfc822_formatted_time()}",
+        f"Server: {SERVER_SOFTWARE}",
+    ]
+    if close:
+        lines.append("Connection: close")
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if to_head else answer.body)
+
+
+def _answering(answer: ShedAnswer) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
+    """A handler in place of the app's, for a shed call answered in its turn on the connection
+    (aiohttp then reads and drops its body, and keeps the connection if the client does)."""
+
+    async def handler(request: BaseRequest) -> web.StreamResponse:
+        return web.Response(status=503, body=answer.body, headers=dict(answer.headers))
+
+    return handler
+
+
+class _AdmittingParser:
+    """aiohttp's request parser, every request it parses taken through its connection's
+    `_take` before aiohttp queues it: the one source of requests on a connection, the bytes
+    behind a declined upgrade (which aiohttp parses in `finish_response`) included."""
+
+    __slots__ = ("_parser", "_take")
+
+    def __init__(
+        self, parser: Any, take: Callable[[Sequence[_MsgType], bool], list[_MsgType]]
+    ) -> None:
+        self._parser = parser
+        self._take = take
+
+    def feed_data(self, data: bytes) -> tuple[Sequence[_MsgType], bool, bytes]:
+        messages, upgraded, tail = self._parser.feed_data(data)
+        return (self._take(messages, upgraded) if messages else messages), upgraded, tail
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
 class _GatewayRequestHandler(RequestHandler):
     header_timeout_s = 10.0
+    inflight: InflightLimit
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._head_timer: asyncio.TimerHandle | None = None
+        self._shed_pause: asyncio.TimerHandle | None = None
+        # the requests parsed and queued here that GATEWAY_MAX_INFLIGHT counted (with the time
+        # their head arrived) or shed (with their answer), by id: aiohttp's request object
+        # keeps the parsed message it was made from
+        self._verdicts: dict[int, tuple[RawRequestMessage, float | ShedAnswer]] = {}
+        self._parser = cast(Any, _AdmittingParser(self._parser, self._take))
         super().connection_made(transport)
         self._start_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        heads, queued = self._request_count, len(self._messages)
+        heads = self._request_count
         super().data_received(data)
-        self._refuse_unforwardable(queued)
         if self._request_count > heads:
             self._cancel_head_timer()  # a whole head arrived
         elif self._current_request is None and not self._messages:
             self._start_head_timer()  # bytes of a new head: it has a deadline
 
-    def _refuse_unforwardable(self, first: int) -> None:
-        """Turn each request queued from `first` on that the module's docstring says is
-        refused into the parser error it should have been."""
-        for at in range(first, len(self._messages)):
-            message, payload = self._messages[at]
+    def _take(self, messages: Sequence[_MsgType], upgraded: bool) -> list[_MsgType]:
+        """The requests just parsed, as aiohttp is to queue them: those the module's docstring
+        refuses turned into the parser errors they should have been, and GATEWAY_MAX_INFLIGHT
+        applied to the others (gateway.server.overload). A shed call with nothing ahead of it
+        on the connection is answered here and left out: no request object, no task. `upgraded`:
+        the parser took what follows the last of them for another protocol (an upgrade, or
+        CONNECT), which aiohttp undoes only once it has answered that request itself."""
+        now = self._loop.time()
+        taken: list[_MsgType] = []
+        for message, payload in messages:
             if isinstance(message, _ErrInfo):
-                continue  # a parser error already
-            target, url = message.path, message.url
-            refusal: BadHttpMessage | None = None
-            if not target.isascii():
-                refusal = InvalidURLError(f"the request target {target[:100]!r} is not ASCII")
-            elif url.absolute:
-                try:
-                    url.host  # noqa: B018 - what building the request reads, and may fail on
-                except ValueError:
-                    refusal = InvalidURLError(f"the host of {target[:100]!r} is not valid")
-            if refusal is None and not target.startswith("/_gateway/"):
-                name = _not_utf8(message.headers)
-                if name is not None:
-                    refusal = BadHttpMessage(f"header {name} has bytes that are not UTF-8")
+                taken.append((message, payload))
+                continue
+            refusal = _refusal(message)
             if refusal is not None:
-                self._messages[at] = (_ErrInfo(400, refusal, refusal.message), payload)
+                taken.append((_ErrInfo(400, refusal, refusal.message), payload))
+                continue
+            verdict = self.inflight.admit(message, now)
+            if (
+                isinstance(verdict, ShedAnswer)
+                and not upgraded
+                and self._can_answer_now(messages, message, payload)
+            ):
+                self._answer_now(verdict, message)
+                continue
+            if verdict is not False:  # answered in turn, when aiohttp has made its request
+                self._verdicts[id(message)] = (message, now if verdict is True else verdict)
+            taken.append((message, payload))
+        return taken
+
+    def _can_answer_now(
+        self, messages: Sequence[_MsgType], message: RawRequestMessage, payload: StreamReader
+    ) -> bool:
+        """Whether a shed call can be answered before aiohttp sees it: it is the only request
+        read, nothing is being answered on the connection nor queued (aiohttp's loop waits for
+        a request), its body is all in (so the next request's bytes are where the parser
+        expects them), it is HTTP/1.1, and the client reads its answers (its writes are not
+        paused)."""
+        waiter = self._waiter
+        return (
+            len(messages) == 1
+            and waiter is not None
+            and not waiter.done()
+            and not self._messages
+            and payload.is_eof()
+            and message.version == HttpVersion11
+            and not self.writing_paused
+            and self.transport is not None
+        )
+
+    def _answer_now(self, answer: ShedAnswer, message: RawRequestMessage) -> None:
+        assert self.transport is not None
+        close = message.should_close
+        self.transport.write(_wire(answer, close=close, to_head=message.method == "HEAD"))
+        self._request_count += 1  # a request handled: its head timer is done
+        if close:
+            self.force_close()  # the client asked: the answer is flushed first
+            return
+        self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        # Not read again before the Retry-After it was told: a client that resends at once on
+        # this connection (a retry loop, wrk) waits that out unread, costing the loop nothing,
+        # instead of cycling through 503s as fast as the loop answers them.
+        self._pause_reading_for_buffer()
+        self._shed_pause = self._loop.call_later(RETRY_AFTER_S, self._resume_after_shed)
+
+    def _resume_after_shed(self) -> None:
+        self._shed_pause = None
+        self._resume_reading_for_buffer()
+
+    async def _handle_request(
+        self,
+        request: BaseRequest,
+        start_time: float | None,
+        request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
+    ) -> tuple[web.StreamResponse, bool]:
+        verdict = self._verdicts.pop(id(request._message), (None, None))[1]
+        if isinstance(verdict, ShedAnswer):
+            return await super()._handle_request(request, start_time, _answering(verdict))
+        try:
+            return await super()._handle_request(request, start_time, request_handler)
+        finally:
+            if verdict is not None:  # a counted call, now answered
+                flow = request.get(appkeys.FLOW)
+                now = self._loop.time()
+                upstream_s = flow.upstream_s if flow is not None else 0.0
+                self.inflight.done(now - verdict - upstream_s, now)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
+        for message, _ in self._messages:  # queued, and never to be handled now
+            counted = self._verdicts.pop(id(message), (None, None))[1]
+            if isinstance(counted, float):
+                self.inflight.abandoned()
         super().connection_lost(exc)
 
     def _start_head_timer(self) -> None:
@@ -145,7 +301,7 @@ class GatewayRunner(web.AppRunner):
             type(
                 "GatewayRequestHandler",
                 (_GatewayRequestHandler,),
-                {"header_timeout_s": header_timeout_s},
+                {"header_timeout_s": header_timeout_s, "inflight": app[LIMIT]},
             ),
         )
 

@@ -192,6 +192,7 @@ def _log(
         status=response.status,
         code=error.code if error is not None else None,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        trace_id=fields.get("trace_id"),  # docs/contract.md §21: when a sampled span traced it
         # a session's end (docs/contract.md §15): closed_by, close_code and its counts
         **(fields.get("session_end") or {}),
     )

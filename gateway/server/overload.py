@@ -4,47 +4,110 @@ before its body is read, its fence looked at or anything admitted or forwarded: 
 and the calls already taken keep a bounded latency instead of all slowing down together.
 
 `auto` (the default) moves the limit with the latency calls see in the gateway itself
-(gateway.core.concurrency): the time from the head's arrival to the answer, less the time the
-tool took to answer, so that a slow tool does not read as an overloaded gateway (tools have
-their own `max_connections`). A number fixes the limit.
+(gateway.core.concurrency): the time from the moment the server parsed the call's head to
+the moment its answer was written, less the time the tool took to answer, so that a slow tool
+does not read as an overloaded gateway (tools have their own `max_connections`). A number
+fixes the limit.
 
 `/_gateway/` paths are never counted nor refused here. A WebSocket upgrade is refused like a
 call when the limit is reached, but an open session is not counted: it lasts as long as its
 browser, and its length says nothing about how busy the process is.
 
-The middleware runs first, ahead of the request id, authentication and the log line: a
-shed call costs as little as the gateway can answer for, and is counted in
-`fence_gateway_rejections_total{code="overloaded"}`; the log says how many were shed at most
-once every `_LOG_EVERY_S`. An MCP client's POST is told in JSON-RPC, as every refusal of
+The decision is made on the parsed head alone, by the HTTP server (gateway.server.
+http_server) before aiohttp builds a request for it, and the connection of a shed call is not
+read again before its Retry-After second is over: a shed call costs as little as the gateway
+can answer for, and a crowd that resends at once when shed (a retry loop without backoff,
+wrk) cannot take the event loop from the calls it admitted. The answer is prepared here, once,
+but for its request id (the client's, or a new one); it is counted in
+`fence_gateway_rejections_total{code="overloaded"}` and the log says how many were shed at
+most once every `_LOG_EVERY_S`. An MCP client's POST is told in JSON-RPC, as every refusal of
 the gateway's own to it is (its id is null: the body is never read).
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
+from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.http import RawRequestMessage
 
+from gateway.config.policy import PolicySet
 from gateway.core import errors
+from gateway.core import mcp as jsonrpc
 from gateway.core.concurrency import GradientLimit
 from gateway.observe import logs
+from gateway.observe.metrics import Metrics
 from gateway.proxy import appkeys, headers
-from gateway.server.middleware import error_response
+from gateway.server.middleware import PROBLEM_TYPE, problem_document
 
 _LOG_EVERY_S = 10.0
+_DETAIL = "this gateway has as many calls in progress as it takes on at once; retry later"
+RETRY_AFTER_S = 1
+_PLACEHOLDER = "request-id-goes-here"
+
+
+@dataclass(frozen=True, slots=True)
+class ShedAnswer:
+    """The `503 overloaded` of one call: its headers (Content-Length aside) and body."""
+
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+class _Prepared:
+    """One refusal's body, split around its request id: only that differs between calls."""
+
+    __slots__ = ("_after", "_before", "_content_type")
+
+    def __init__(self, content_type: str, rendered: bytes) -> None:
+        self._content_type = content_type
+        self._before, self._after = rendered.split(json.dumps(_PLACEHOLDER).encode())
+
+    def answer(self, request_id: str) -> ShedAnswer:
+        return ShedAnswer(
+            (
+                ("Content-Type", self._content_type),
+                ("Retry-After", str(RETRY_AFTER_S)),
+                (headers.REQUEST_ID_HEADER, request_id),
+            ),
+            self._before + json.dumps(request_id).encode() + self._after,
+        )
+
+
+def _prepare() -> tuple[_Prepared, _Prepared]:
+    """The problem+json answer, and the JSON-RPC one an MCP client's POST gets (docs/contract.md
+    §5, §16), as the gateway's error responses render them."""
+    document = problem_document(errors.Overloaded(_DETAIL, retry_after=RETRY_AFTER_S), _PLACEHOLDER)
+    problem = _Prepared(f"{PROBLEM_TYPE}; charset=utf-8", json.dumps(document).encode())
+    mcp = _Prepared("application/json", jsonrpc.error_response(None, document))
+    return problem, mcp
 
 
 class InflightLimit:
-    """Calls in progress, and how many may be."""
+    """Calls in progress, how many may be, and the answer to one more."""
 
-    __slots__ = ("_adaptive", "_last_log", "_shed_since_log", "in_flight", "limit")
+    __slots__ = (
+        "_adaptive",
+        "_app",
+        "_last_log",
+        "_metrics",
+        "_policies",
+        "_prepared",
+        "_shed_since_log",
+        "in_flight",
+        "limit",
+    )
 
-    def __init__(self, setting: int | str) -> None:
+    def __init__(self, setting: int | str, app: web.Application) -> None:
         self._adaptive = GradientLimit() if setting == "auto" else None
         self.limit = self._adaptive.current if self._adaptive is not None else int(setting)
         self.in_flight = 0
+        self._app = app  # its tracing hook is set at startup, after the limit is installed
+        self._policies: PolicySet = app[appkeys.POLICIES]
+        self._prepared = _prepare()
+        self._metrics: Metrics = app[appkeys.METRICS]
         self._shed_since_log = 0
         self._last_log = float("-inf")
 
@@ -52,13 +115,33 @@ class InflightLimit:
     def adaptive(self) -> bool:
         return self._adaptive is not None
 
+    def admit(self, message: RawRequestMessage, now: float) -> ShedAnswer | bool:
+        """The decision on a call whose head was just parsed: its answer when it is shed; True
+        when it is counted, and `done` must follow once it is answered; False when it passes
+        uncounted (the module's docstring)."""
+        if message.url.path.startswith("/_gateway/"):
+            return False
+        if self.in_flight >= self.limit:
+            return self._shed(message, now)
+        if "Upgrade" in message.headers:
+            return False  # a session: not counted
+        self.in_flight += 1
+        return True
+
     def done(self, rtt_s: float, now: float) -> None:
-        """A counted call finished after `rtt_s`."""
+        """A counted call was answered `rtt_s` after its head arrived, less the tool's time."""
         if self._adaptive is not None:
             self.limit = self._adaptive.sample(rtt_s, self.in_flight, now)
         self.in_flight -= 1
 
-    def shed(self, now: float) -> None:
+    def abandoned(self) -> None:
+        """A counted call will never be handled: its connection closed while it was queued."""
+        self.in_flight -= 1
+
+    def _shed(self, message: RawRequestMessage, now: float) -> ShedAnswer:
+        # "-": never routed; the children appear with the first shed call (cached by Metrics)
+        self._metrics.rejections_of("-", "overloaded").inc()
+        self._metrics.requests_of("-", "rejected").inc()
         self._shed_since_log += 1
         if now - self._last_log >= _LOG_EVERY_S:
             logs.event(
@@ -69,45 +152,24 @@ class InflightLimit:
                 adaptive=self.adaptive,
             )
             self._shed_since_log, self._last_log = 0, now
+        tracing = self._app[appkeys.TRACING]  # None, unless GATEWAY_OTEL (docs/contract.md §21)
+        if tracing is not None:
+            tracing.shed(message, errors.Overloaded.status)
+        problem, mcp = self._prepared
+        request_id = headers.request_id(message.headers) or headers.new_request_id()
+        return (mcp if self._answers_in_jsonrpc(message) else problem).answer(request_id)
+
+    def _answers_in_jsonrpc(self, message: RawRequestMessage) -> bool:
+        """As gateway.proxy.mcp.answers_in_jsonrpc decides it, from the head alone."""
+        if message.method != "POST":
+            return False
+        found = self._policies.route(message.path.partition("?")[0])
+        return found is not None and found[0].mcp
 
 
 LIMIT = web.AppKey("inflight_limit", InflightLimit)
 
 
 def install(app: web.Application, setting: int | str) -> None:
-    app[LIMIT] = InflightLimit(setting)
-    app.middlewares.insert(0, shed)
-
-
-@web.middleware
-async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/_gateway/"):
-        return await handler(request)
-    app = request.app
-    limit = app[LIMIT]
-    loop = asyncio.get_running_loop()
-    if limit.in_flight >= limit.limit:
-        limit.shed(loop.time())
-        metrics = app[appkeys.METRICS]
-        metrics.rejections_of("-", "overloaded").inc()
-        metrics.requests_of("-", "rejected").inc()
-        return error_response(
-            request,
-            errors.Overloaded(
-                f"{limit.in_flight} calls are in progress, the most this gateway takes on "
-                "at once; retry later",
-                retry_after=1,
-            ),
-            headers.request_id(request.headers) or headers.new_request_id(),
-        )
-    if "Upgrade" in request.headers:
-        return await handler(request)  # a session: not counted (the module's docstring)
-    limit.in_flight += 1
-    started = loop.time()
-    try:
-        return await handler(request)
-    finally:
-        # the gateway's own share: a slow tool is not this process being overloaded
-        flow = request.get(appkeys.FLOW)
-        now = loop.time()
-        limit.done(now - started - (flow.upstream_s if flow is not None else 0.0), now)
+    """The limit, for the HTTP server (gateway.server.http_server) to apply."""
+    app[LIMIT] = InflightLimit(setting, app)

@@ -85,6 +85,24 @@ def reload_tls(context: ssl.SSLContext | None, settings: Settings) -> None:
     logs.event("tls_reloaded", cert=settings.tls_cert, key=settings.tls_key)
 
 
+def check_tracing(settings: Settings) -> None:
+    """GATEWAY_OTEL=true needs the otel extra and the exporters OTEL_TRACES_EXPORTER names:
+    found at start, not at the first call (docs/contract.md §21)."""
+    if not settings.otel:
+        return
+    try:
+        from gateway.proxy import traces
+    except ImportError as exc:
+        raise ConfigError(
+            f"GATEWAY_OTEL=true needs the otel extra (pip install 'fence-gateway[otel]'): "
+            f"{exc.name or exc} is not installed"
+        ) from None
+    try:
+        traces.exporter_classes()
+    except traces.TracingError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def without_password(url: str) -> str:
     """A database URL fit for a log line."""
     parts = urlsplit(url)

@@ -77,6 +77,7 @@ class Call:
     serial: bool = False  # its rule's `concurrency: serial`: one call at a time
     kind: Kind = "call"
     mcp: McpRecord | None = None  # an MCP tool call's tool and JSON-RPC id (§16)
+    trace_id: str | None = None  # the call's sampled trace (docs/contract.md §21)
 
     def rejection(self, owner: str | None, code: str) -> Rejection:
         """The `rejected` receipt admission keeps when it refuses this call with `code`:
@@ -94,6 +95,7 @@ class Call:
             http_status=BY_CODE[code].status,
             kind=self.kind,
             mcp=self.mcp,
+            trace_id=self.trace_id,
         )
 
 
@@ -146,6 +148,7 @@ class Rejection:
     http_status: int
     kind: Kind = "call"
     mcp: McpRecord | None = None
+    trace_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,7 @@ class Receipt:
     kind: Kind = "call"
     session: dict[str, Any] | None = None  # SessionRecord.to_json(), as stored
     mcp: dict[str, Any] | None = None  # McpRecord.to_json(), as stored
+    trace_id: str | None = None  # 32 hex digits, when the call's trace was sampled (§21)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -203,6 +207,7 @@ class Receipt:
             "kind": self.kind,
             "session": self.session,
             "mcp": self.mcp,
+            "trace_id": self.trace_id,
         }
 
 

@@ -93,7 +93,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -177,7 +177,7 @@ _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resou
 _INSERT_REJECTED = (
     f"INSERT INTO receipts ({REJECTED_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
     f"'rejected', $11, $12, coalesce($13::float8, {_NOW}), coalesce($13::float8, {_NOW}), $14, "
-    "$15, $16)"
+    "$15, $16, $17)"
 )
 # A refusal at the idempotency step still advances the fence (docs/contract.md §3, step 6).
 _ADVANCE_AND_REJECT = (
@@ -200,8 +200,8 @@ _ADMIT = (
     "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, expires_at = NULL), "
     "r AS (INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
     "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, turn, "
-    "mcp) SELECT $2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, $13, "
-    "f.turn, $16 "
+    "mcp, trace_id) SELECT $2, $1, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'pending', $12, $12, "
+    "$13, f.turn, $16, $17 "
     "FROM f) "
     "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
@@ -212,8 +212,8 @@ _ADMIT_SESSION = (
     "WITH f AS (UPDATE fences SET accepted = greatest(accepted, $3) WHERE resource = $1 "
     "RETURNING 1), "
     "r AS (INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
-    "status, created_at, forwarded_at, instance, kind) "
-    "SELECT $2, $1, $3, $4, $5, $6, $7, $8, 'pending', $9, $9, $10, 'session' FROM f) "
+    "status, created_at, forwarded_at, instance, kind, trace_id) "
+    "SELECT $2, $1, $3, $4, $5, $6, $7, $8, 'pending', $9, $9, $10, 'session', $11 FROM f) "
     "SELECT EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND o.fence < $3) AS ahead"
 )
@@ -552,6 +552,7 @@ class PostgresStore:
             call.retention_s,
             1 if call.serial else 0,
             mcp_json(call.mcp),
+            call.trace_id,
         )
         return Admitted(
             receipt_id,
@@ -579,6 +580,7 @@ class PostgresStore:
             call.path,
             now,
             instance := self.instance,
+            call.trace_id,
         )
         return Admitted(receipt_id, None, owner, instance, ahead=bool(ahead))
 

@@ -48,6 +48,7 @@ RECEIPT_COLUMNS = (
     "kind",
     "session",
     "mcp",
+    "trace_id",
 )
 
 RECEIPT_SELECT = ", ".join(RECEIPT_COLUMNS)
@@ -150,7 +151,8 @@ def mcp_json(record: McpRecord | None) -> str | None:
 
 REJECTED_COLUMNS = (
     "id, resource, fence, owner, client, upstream, method, path, idempotency_key, "
-    "fingerprint, status, http_status, reject_code, created_at, completed_at, instance, kind, mcp"
+    "fingerprint, status, http_status, reject_code, created_at, completed_at, instance, kind, mcp, "
+    "trace_id"
 )
 """What a `rejected` receipt is written with; `rejected_values` gives its parameters, the
 status being 'rejected' and `completed_at` its `created_at` (the 13th parameter twice)."""
@@ -164,7 +166,7 @@ def rejected_values(
     now: float | None,
     instance: str,
 ) -> tuple[Any, ...]:
-    """The 16 parameters of a `rejected` receipt's insert (`REJECTED_COLUMNS`)."""
+    """The 17 parameters of a `rejected` receipt's insert (`REJECTED_COLUMNS`)."""
     return (
         receipt_id,
         rejection.resource,
@@ -182,6 +184,7 @@ def rejected_values(
         instance,
         rejection.kind,
         mcp_json(rejection.mcp),
+        rejection.trace_id,
     )
 
 

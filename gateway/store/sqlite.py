@@ -80,7 +80,7 @@ from gateway.store.rows import (
 T = TypeVar("T")
 
 PRUNE_BATCH = 1000  # receipts deleted per sweep at most; a backlog drains over sweeps
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -336,7 +336,8 @@ class SqliteStore:
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, "
-            "kind, mcp) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?)",
+            "kind, mcp, trace_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?)",
             (
                 receipt_id,
                 call.resource,
@@ -354,6 +355,7 @@ class SqliteStore:
                 self.instance,
                 call.kind,
                 mcp_json(call.mcp),
+                call.trace_id,
             ),
         )
         return receipt_id
@@ -381,7 +383,7 @@ class SqliteStore:
         receipt_id = self._new_id(now)
         conn.execute(
             f"INSERT INTO receipts ({REJECTED_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, "
-            "?9, ?10, 'rejected', ?11, ?12, ?13, ?13, ?14, ?15, ?16)",
+            "?9, ?10, 'rejected', ?11, ?12, ?13, ?13, ?14, ?15, ?16, ?17)",
             rejected_values(receipt_id, rejection, key, fingerprint, now, self.instance),
         )
         return receipt_id

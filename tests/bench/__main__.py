@@ -371,6 +371,19 @@ async def run() -> str:
             relaxed = await stack.enter_async_context(
                 gateway_process(root, "relaxed", policy, "relaxed")
             )
+            # every call traced and sampled (docs/contract.md §21); the spans go to the tool,
+            # which takes any POST: the row shows what making and exporting them costs
+            traced = await stack.enter_async_context(
+                gateway_process(
+                    root,
+                    "traced",
+                    policy,
+                    "strict",
+                    GATEWAY_OTEL="true",
+                    OTEL_TRACES_SAMPLER="always_on",
+                    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=upstream + "/v1/traces",
+                )
+            )
             session = await stack.enter_async_context(aiohttp.ClientSession())
             leases = await acquire_leases(session, strict.url)
 
@@ -420,6 +433,8 @@ async def run() -> str:
                 (gw("gateway: unfenced GET", strict, CONNECTIONS, "get.lua", tuple), "get"),
                 (gw("gateway: fenced POST, relaxed, 1 hot resource", relaxed, CONNECTIONS,
                     "fenced.lua", hot), "post"),
+                (gw("gateway: fenced POST, strict, 1 hot resource, GATEWAY_OTEL=true", traced,
+                    CONNECTIONS, "fenced.lua", hot), "post"),
             ]  # fmt: skip
             overload = gw(
                 f"gateway: fenced POST, strict, 1 hot resource, {OVERLOAD_CONNECTIONS} "

@@ -5,10 +5,22 @@ forwarded, and leaves no receipt; `/_gateway/` paths are not counted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
+from aiohttp import web
 
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.server import overload
+from gateway.server.app import create_app
+from gateway.server.http_server import GatewayRunner
 from tests.harness import (
     Behavior,
     GatewayFactory,
@@ -18,6 +30,7 @@ from tests.harness import (
     fetch_receipts,
     make_policy,
     problem,
+    write_policy,
 )
 
 
@@ -117,3 +130,309 @@ async def test_an_mcp_client_is_shed_in_json_rpc(
     gate.set()
     assert (await held).status == 200
     assert [r.path for r in upstream.received()] == ["/api/mcp"]
+
+
+# --------------------------------------------------------------------------------------------
+# Shedding in the HTTP server itself: the gateway in process, served by `GatewayRunner` as
+# `fence-gateway serve` serves it, so that the requests aiohttp builds can be counted.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    port: int
+    app: web.Application
+    requests_made: list[int]  # one element: how many request objects aiohttp has built
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+@contextlib.asynccontextmanager
+async def served(
+    tmp_path: Path, policy: dict[str, Any], max_inflight: str
+) -> AsyncIterator[Served]:
+    policy_path = write_policy(tmp_path / "policies.yaml", policy)
+    settings = Settings(
+        _env_file=None,
+        database_url=f"sqlite:///{tmp_path}/gw.db",
+        policies=str(policy_path),
+        instance_id="test-1",
+        max_inflight=max_inflight,
+    )
+    app = create_app(settings, load_policies(policy_path))
+    runner = GatewayRunner(
+        app, header_timeout_s=10, handler_cancellation=False, access_log=None
+    )  # as gateway.server.serve runs it
+    await runner.setup()
+    assert runner.server is not None
+    made = [0]
+    build = runner.server.request_factory
+
+    def counting(*args: Any) -> Any:
+        made[0] += 1
+        return build(*args)
+
+    runner.server.request_factory = counting
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", port, app, made)
+    finally:
+        await runner.cleanup()
+
+
+def fenced_post(path: str, body: bytes, resource: str = "job/b", **extra: str) -> bytes:
+    """A fenced POST, head and body, as one write."""
+    head = [
+        f"POST {path} HTTP/1.1",
+        "Host: gateway",
+        f"X-Lease-Resource: {resource}",
+        "X-Fence-Token: 7",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{name.replace('_', '-')}: {value}" for name, value in extra.items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status_line, *lines = head.decode().rstrip("\r\n").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines)
+    headers = {name.lower(): value for name, value in fields.items()}
+    body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    return int(status_line.split()[1]), headers, body
+
+
+async def hold_one_call(
+    session: aiohttp.ClientSession, gateway: Served, upstream: RecordingUpstream
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """A call held at the tool, taking the one slot of GATEWAY_MAX_INFLIGHT=1."""
+    gate = asyncio.Event()
+    upstream.script("/api/slow", Behavior(gate=gate))
+    held = asyncio.create_task(
+        call(session, "POST", f"{gateway.url}/tool/slow", headers=fenced_headers("job/a", 1))
+    )
+    await upstream.wait_received(1)
+    return gate, held
+
+
+async def test_a_crowd_over_the_limit_is_answered_before_any_request_is_built(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """Each shed call is answered from its parsed head: aiohttp builds no request for it, and
+    its connection, body and all, stays in step for the next call."""
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        before = gateway.requests_made[0]
+        crowd = [await gateway.connect() for _ in range(40)]
+        for n, (_, writer) in enumerate(crowd):
+            writer.write(fenced_post("/tool/act", b'{"n": %d}' % n, X_Request_Id=f"crowd-{n}"))
+        for n, (reader, _) in enumerate(crowd):
+            status, headers, body = await read_answer(reader)
+            assert status == 503 and headers["retry-after"] == "1"
+            assert headers["content-type"] == "application/problem+json; charset=utf-8"
+            assert headers["x-request-id"] == f"crowd-{n}"
+            document = json.loads(body)
+            assert document["code"] == "overloaded" and document["request_id"] == f"crowd-{n}"
+            assert document["type"] == "urn:fence-gateway:overloaded"
+            assert document["status"] == 503 and document["title"] == "Overloaded"
+        assert gateway.requests_made[0] == before  # not one request object for 40 answers
+
+        gate.set()
+        assert (await held).status == 200
+        # the same connections, their next call (one at a time: the limit is 1), read once the
+        # Retry-After second is over
+        for n, (reader, writer) in enumerate(crowd[:5]):
+            writer.write(fenced_post("/tool/act", b'{"after": %d}' % n))
+            status, _, _ = await read_answer(reader)
+            assert status == 200
+        bodies = sorted(r.body for r in upstream.received() if r.path_qs == "/api/act")
+        assert bodies == sorted(b'{"after": %d}' % n for n in range(5))  # nothing shed left
+        for _, writer in crowd:
+            writer.close()
+        text = (await call(session, "GET", f"{gateway.url}/_gateway/metrics")).body.decode()
+        assert 'fence_gateway_rejections_total{code="overloaded",upstream="-"} 40.0' in text
+        assert gateway.app[overload.LIMIT].in_flight == 0
+
+
+async def test_shed_calls_behind_another_or_before_their_body_keep_the_connection_in_step(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """A shed call that cannot be answered from its head at once (pipelined behind another, or
+    its body not all in) is answered in its turn, its body read and dropped."""
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        reader, writer = await gateway.connect()
+        writer.write(fenced_post("/tool/one", b'{"n": 1}') + fenced_post("/tool/two", b"[2]"))
+        head, body = fenced_post("/tool/three", b'{"n": 3}').split(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        answers = [await read_answer(reader) for _ in range(2)]
+        assert [status for status, _, _ in answers] == [503, 503]
+        writer.write(body[:3])
+        await asyncio.sleep(0.05)
+        writer.write(body[3:])
+        status, headers, document = await read_answer(reader)
+        assert status == 503 and json.loads(document)["code"] == "overloaded"
+        assert headers["retry-after"] == "1"
+
+        gate.set()
+        assert (await held).status == 200
+        writer.write(fenced_post("/tool/four", b'{"n": 4}'))
+        status, _, _ = await read_answer(reader)
+        assert status == 200
+        assert [(r.path_qs, r.body) for r in upstream.received()][1:] == [
+            ("/api/four", b'{"n": 4}')
+        ]
+        writer.close()
+        assert gateway.app[overload.LIMIT].in_flight == 0
+
+
+async def test_a_shed_call_that_asked_to_close_is_answered_and_closed(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        made = gateway.requests_made[0]
+        reader, writer = await gateway.connect()
+        writer.write(fenced_post("/tool/act", b"{}", Connection="close"))
+        status, headers, _ = await read_answer(reader)
+        assert status == 503 and headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
+        assert gateway.requests_made[0] == made
+        gate.set()
+        await held
+
+
+async def test_a_shed_head_request_is_answered_without_a_body(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        made = gateway.requests_made[0]
+        reader, writer = await gateway.connect()
+        writer.write(b"HEAD /tool/page HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nContent-Length: " in head
+        assert gateway.requests_made[0] == made
+        gate.set()
+        assert (await held).status == 200
+        writer.write(b"GET /_gateway/healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200  # no stray body before it
+        writer.close()
+
+
+async def test_upgrades_are_shed_and_the_gateway_paths_are_not(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        reader, writer = await gateway.connect()
+        writer.write(
+            b"GET /tool/ws HTTP/1.1\r\nHost: gateway\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\n\r\n"
+        )
+        status, _, body = await read_answer(reader)
+        assert status == 503 and json.loads(body)["code"] == "overloaded"
+        writer.close()
+        # CONNECT switches the parser to a tunnel as upgrades do: shed, and in step after
+        reader, writer = await gateway.connect()
+        writer.write(b"CONNECT tool.example:443 HTTP/1.1\r\nHost: tool.example:443\r\n\r\n")
+        status, _, body = await read_answer(reader)
+        assert status == 503 and json.loads(body)["code"] == "overloaded"
+        writer.write(b"GET /_gateway/healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200
+        writer.close()
+        for path in ("/_gateway/healthz", "/_gateway/v1/receipts?resource=job/a"):
+            assert (await call(session, "GET", gateway.url + path)).status == 200
+        gate.set()
+        assert (await held).status == 200
+        assert gateway.app[overload.LIMIT].in_flight == 0
+
+
+async def test_an_mcp_post_is_shed_in_json_rpc_from_its_head(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    policy = make_policy(upstream.url, [{"match": "mail/*", "tools": ["send_*"]}], mcp=True)
+    async with served(tmp_path, policy, "1") as gateway:
+        gate = asyncio.Event()
+        upstream.script("/api/mcp", Behavior(gate=gate))
+        listing = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+        held = asyncio.create_task(
+            call(session, "POST", f"{gateway.url}/tool/mcp", data=listing,
+                 headers={"Content-Type": "application/json"})
+        )  # fmt: skip
+        await upstream.wait_received(1)
+        made = gateway.requests_made[0]
+        reader, writer = await gateway.connect()
+        writer.write(fenced_post("/tool/mcp", listing))
+        status, headers, body = await read_answer(reader)
+        assert status == 503 and headers["content-type"] == "application/json"
+        assert headers["retry-after"] == "1"
+        answer = json.loads(body)
+        assert answer["jsonrpc"] == "2.0" and answer["id"] is None
+        assert answer["error"]["code"] == -31050
+        assert answer["error"]["data"]["code"] == "overloaded"
+        assert gateway.requests_made[0] == made
+        writer.close()
+        gate.set()
+        assert (await held).status == 200
+
+
+async def test_calls_queued_on_a_connection_the_client_closed_are_not_counted_forever(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """Counted from their head's arrival, pipelined calls that will never be handled (their
+    connection went away while one ahead of them held it) give their slots back."""
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "3") as gateway:
+        gate = asyncio.Event()
+        upstream.script("/api/slow", Behavior(gate=gate))
+        _, writer = await gateway.connect()
+        writer.write(fenced_post("/tool/slow", b"{}") + fenced_post("/tool/next", b"{}"))
+        await upstream.wait_received(1)
+        limit = gateway.app[overload.LIMIT]
+        assert limit.in_flight == 2  # the one at the tool and the one queued behind it
+        writer.close()
+        await asyncio.sleep(0.2)
+        gate.set()
+        for _ in range(100):
+            if limit.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert limit.in_flight == 0
+        assert [r.path_qs for r in upstream.received()] == ["/api/slow"]
+
+
+@pytest.mark.both_parsers
+async def test_on_either_parser_a_shed_call_leaves_its_connection_in_step(
+    gateway_factory: GatewayFactory, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """`fence-gateway serve` itself, on aiohttp's C parser and its pure-Python one: shed calls
+    with bodies, alone and pipelined, then the next call on the same connection goes through
+    whole."""
+    gate = asyncio.Event()
+    upstream.script("/api/slow", Behavior(gate=gate))
+    gateway = await gateway_factory(
+        make_policy(upstream.url, [{"match": "job/*"}]), extra_env={"GATEWAY_MAX_INFLIGHT": "1"}
+    )
+    held = asyncio.create_task(
+        call(session, "POST", f"{gateway.url}/tool/slow", headers=fenced_headers("job/a", 1))
+    )
+    await upstream.wait_received(1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(fenced_post("/tool/one", b'{"n": 1}', X_Request_Id="alone"))
+    status, headers, body = await read_answer(reader)
+    assert status == 503 and headers["x-request-id"] == "alone"
+    assert json.loads(body)["code"] == "overloaded"
+    writer.write(fenced_post("/tool/two", b"[2]") + fenced_post("/tool/three", b"[3]"))
+    assert [(await read_answer(reader))[0] for _ in range(2)] == [503, 503]
+    gate.set()
+    assert (await held).status == 200
+    writer.write(fenced_post("/tool/four", b'{"n": 4}'))
+    assert (await read_answer(reader))[0] == 200
+    writer.close()
+    assert [(r.path_qs, r.body) for r in upstream.received()][1:] == [("/api/four", b'{"n": 4}')]

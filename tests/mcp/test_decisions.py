@@ -209,8 +209,10 @@ def test_a_tool_call_is_governed_by_the_rule_covering_resource_and_tool(tmp_path
         mcp=True,
     )
     policies = load_policies(write_policy(tmp_path / "p.yaml", policy))
-    assert policies.fences_tool("tool", "send_email") and policies.fences_tool("tool", "deploy")
-    assert not policies.fences_tool("tool", "lookup")
+    upstream = policies.upstreams["tool"]
+    assert policies.tool_treatment(upstream, "send_email") == "fenced"
+    assert policies.tool_treatment(upstream, "deploy") == "fenced"
+    assert policies.tool_treatment(upstream, "lookup") == "unfenced"
     assert policies.tool_rule("tool", "mail/a", "send_email") is policies.rules[0]
     assert policies.tool_rule("tool", "mail/a", "deploy") is policies.rules[1]
     assert policies.tool_rule("tool", "ops/a", "send_email") is None  # resource_not_allowed

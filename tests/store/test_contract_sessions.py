@@ -147,6 +147,7 @@ class TestSqliteSchema:
         admitted = await first.admit(call(3))
         await first.close()
         with sqlite3.connect(path) as conn:  # back to the schema before version 2
+            conn.execute("ALTER TABLE receipts DROP COLUMN trace_id")  # version 6's (§21)
             conn.execute("ALTER TABLE receipts DROP COLUMN mcp")  # version 3's
             conn.execute("DROP TABLE checkpoints")  # version 4's
             conn.execute("DROP TABLE fence_floor")  # version 5's (docs/contract.md §18)
@@ -159,10 +160,11 @@ class TestSqliteSchema:
         await second.open()
         try:
             receipt = await second.get_receipt(admitted.receipt_id)
-            assert (receipt.kind, receipt.session, receipt.status) == (
+            assert (receipt.kind, receipt.session, receipt.status, receipt.trace_id) == (
                 "call",
                 None,
                 "outcome_unknown",
+                None,
             )
             assert isinstance(await second.admit(session(3)), Admitted)
         finally:

@@ -6,8 +6,9 @@ Top to bottom; a module imports only its own package and packages strictly lower
 
 config, observe, store and wire are siblings and import none of each other. Outside the layers:
 `gateway/__init__.py` imports nothing of the project (importing `gateway.client` runs it),
-`gateway/__main__.py` imports only cli, and `gateway/client.py`, what agents import, imports
-nothing of the project but core and is imported only by cli (the demo plays an agent with it).
+`gateway/__main__.py` imports only cli, and `gateway/client/`, what agents import, imports
+nothing of the project but core and itself and is imported only by cli (the demo plays an
+agent with it).
 
 Every import statement counts, at module level or inside a function, and so do imports under
 `if TYPE_CHECKING:`: an annotation that names an upper layer's class ties the lower layer to
@@ -50,8 +51,10 @@ LAYER_ORDER = (
 TOP_LEVEL: dict[str, frozenset[str]] = {
     "gateway": frozenset(),  # gateway/__init__.py
     "gateway.__main__": frozenset({"cli"}),
-    "gateway.client": frozenset({"core"}),
+    "gateway.client": frozenset({"core", "client"}),
 }
+CLIENT = "client"  # the package gateway/client/, outside the layers
+CLIENT_IMPORTS = frozenset({"core", CLIENT})
 CLIENT_IMPORTERS = frozenset({"cli"})
 
 
@@ -153,12 +156,12 @@ def _where(imp: Import, root: Path) -> str:
 def _broken_rule(imp: Import) -> str | None:
     """The rule `imp` breaks, or None."""
     source, target = package_of(imp.importer), package_of(imp.target)
-    if source is None:  # a module at the top, outside the layers
-        allowed = TOP_LEVEL.get(imp.importer, frozenset())
+    if source is None or source == CLIENT:  # outside the layers
+        allowed = CLIENT_IMPORTS if source == CLIENT else TOP_LEVEL.get(imp.importer, frozenset())
         if target in allowed:
             return None
         return f"{imp.importer} may import {', '.join(sorted(allowed)) or 'nothing of the project'}"
-    if imp.target == "gateway.client":
+    if imp.target == "gateway.client" or target == CLIENT:
         return (
             None
             if source in CLIENT_IMPORTERS
@@ -228,7 +231,7 @@ def stray_modules(root: Path) -> list[str]:
         f"{path.relative_to(root.parent)}: {name} is in no layer package "
         f"({', '.join(LAYERS)}) and is not one of {', '.join(sorted(TOP_LEVEL))}"
         for name, path in module_names(root).items()
-        if package_of(name) not in LAYERS and name not in TOP_LEVEL
+        if package_of(name) not in {*LAYERS, CLIENT} and name not in TOP_LEVEL
     ]
 
 
@@ -298,12 +301,17 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         (
             {"client.py": "import gateway.config.settings\n", "config/settings.py": ""},
             "gateway/client.py:1: gateway.client imports gateway.config.settings: gateway.client "
-            "may import core",
+            "may import client, core",
         ),
         (
             {"server/a.py": "from gateway import client\n", "client.py": ""},
             "gateway/server/a.py:1: gateway.server.a imports gateway.client: gateway.client is the "
             "agents' side",
+        ),
+        (
+            {"client/aio.py": "from gateway.store import base\n", "store/base.py": ""},
+            "gateway/client/aio.py:1: gateway.client.aio imports gateway.store.base: "
+            "gateway.client.aio may import client, core",
         ),
     ],
     ids=[
@@ -312,6 +320,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         "upward-relative",
         "client-imports-config",
         "server-imports-client",
+        "client-module-imports-store",
     ],
 )
 def test_layer_check_reports_the_module_line_and_rule(

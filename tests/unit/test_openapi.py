@@ -27,6 +27,7 @@ from gateway.config.policy import PolicySet, ResourceRule, Upstream
 from gateway.config.settings import Settings
 from gateway.core import errors, grammar
 from gateway.server.app import create_app
+from tests.harness import REPO_ROOT
 
 METHOD_NOT_ALLOWED_ROUTE = "/_gateway/v1/{tail}"  # answers what the document leaves out
 
@@ -55,7 +56,10 @@ def test_every_v1_route_is_described_and_nothing_else() -> None:
 
 def test_error_codes_are_the_spec_codes() -> None:
     codes = document()["components"]["schemas"]["Problem"]["properties"]["code"]["enum"]
-    assert len(codes) == 36 and "overloaded" in codes and "internal_error" not in codes
+    contract = (REPO_ROOT / "docs" / "contract.md").read_text()
+    listed = contract.partition("**Codes.** `code` is one of: ")[2].partition(".\n")[0]
+    assert codes == sorted(re.findall(r"`([a-z_]+)`", listed))
+    assert len(codes) == 37 and "tool_not_allowed" in codes and "internal_error" not in codes
 
 
 def test_an_open_gateway_asks_for_no_key_and_a_secured_one_for_a_bearer_key() -> None:
