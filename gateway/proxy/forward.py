@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import get_args
 
-import aiohttp
 from aiohttp import web
 
 from gateway.config.policy import ResourceRule
@@ -31,6 +30,7 @@ from gateway.proxy.ordering import Place, clear_to_forward
 from gateway.proxy.relay import Head, admitted_headers, read_head, upstream_headers
 from gateway.proxy.upstream import LAPSED, UpstreamFailure
 from gateway.store.base import Admitted, Call, Refused, Replayed
+from gateway.wire.answer import Answer
 
 # Client headers never passed on for a fenced call: the gateway sets its own key header.
 _FENCED_DROP = frozenset({headers.IDEMPOTENCY_HEADER.lower(), headers.REQUEST_ID_HEADER.lower()})
@@ -94,16 +94,16 @@ class Exchange:
     recorded: bool
     deadline: float
     head: Head | None = None
-    answer: aiohttp.ClientResponse | None = None
+    answer: Answer | None = None
     error: errors.GatewayError | None = None
 
 
-AnswerReader = Callable[[aiohttp.ClientResponse, float, float], Awaitable[tuple[Head, Outcome]]]
+AnswerReader = Callable[[Answer, float, float], Awaitable[tuple[Head, Outcome]]]
 """(answer, deadline, forwarded_at) → what was read of the answer and the outcome it gives."""
 
 
 async def read_plain_answer(
-    rule: ResourceRule, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+    rule: ResourceRule, answer: Answer, deadline: float, forwarded_at: float
 ) -> tuple[Head, Outcome]:
     """docs/contract.md §3: the status decides; an answer that fits is kept for replay."""
     head = await read_head(answer, rule.idempotency.replay_max_bytes, deadline)

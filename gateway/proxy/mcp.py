@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -42,6 +41,8 @@ from gateway.proxy.relay import (
 )
 from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Refused, Replayed
+from gateway.wire.answer import Answer
+from gateway.wire.errors import BrokenAnswer
 
 _PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 # An MCP server answers a tool call with a 4xx only when it refused the message before running
@@ -134,7 +135,7 @@ async def _unfenced(
     return response
 
 
-def _relayed(answer: aiohttp.ClientResponse, extra: dict[str, str]) -> web.StreamResponse:
+def _relayed(answer: Answer, extra: dict[str, str]) -> web.StreamResponse:
     """A response with the upstream's status and headers (hop-by-hop removed) and `extra`."""
     response = RelayedResponse(status=answer.status)
     for name, value in response_headers(answer):
@@ -147,7 +148,7 @@ def _relayed(answer: aiohttp.ClientResponse, extra: dict[str, str]) -> web.Strea
 async def _relay_rest(
     request: web.Request,
     response: web.StreamResponse,
-    answer: aiohttp.ClientResponse,
+    answer: Answer,
     first: bytes,
     deadline: float | None = None,
 ) -> None:
@@ -158,13 +159,13 @@ async def _relay_rest(
             await response.write(first)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
-                while chunk := await answer.content.readany():
+                while chunk := await answer.read():
                     await response.write(chunk)
         await response.write_eof()
         return
     except ConnectionError:
         pass  # the client left: an unfenced stream may close; a tool call's outcome is kept
-    except (aiohttp.ClientError, OSError):
+    except BrokenAnswer:
         pass  # the tool's side broke: the client can only learn it from a cut connection
     if request.transport is not None:
         request.transport.abort()
@@ -298,7 +299,7 @@ class _AnswerReader:
     held: list[bytes] = field(default_factory=list)  # the answering event and what followed
 
     async def read(
-        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+        self, answer: Answer, deadline: float, forwarded_at: float
     ) -> tuple[Head, Outcome]:
         content_type = answer.headers.get("Content-Type", "").partition(";")[0].strip().lower()
         if 200 <= answer.status < 300 and content_type == "text/event-stream":
@@ -306,14 +307,14 @@ class _AnswerReader:
         return await self._read_json(answer, deadline, forwarded_at)
 
     async def _read_json(
-        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+        self, answer: Answer, deadline: float, forwarded_at: float
     ) -> tuple[Head, Outcome]:
         limit = max(self.upstream.max_body_bytes, self.rule.idempotency.replay_max_bytes)
         chunks, size = [], 0
         lost: errors.GatewayError | None = None
         try:
             async with asyncio.timeout_at(deadline):
-                while size <= limit and (chunk := await answer.content.read(limit + 1 - size)):
+                while size <= limit and (chunk := await answer.read(limit + 1 - size)):
                     chunks.append(chunk)
                     size += len(chunk)
         except TimeoutError:
@@ -321,14 +322,14 @@ class _AnswerReader:
                 f"upstream {self.upstream.name} did not answer within "
                 f"{self.upstream.timeout_s}s; the tool call may have been applied"
             )
-        except (aiohttp.ClientError, OSError) as exc:
+        except BrokenAnswer as exc:
             lost = errors.UpstreamOutcomeUnknown(
                 f"upstream {self.upstream.name} broke its answer off ({type(exc).__name__}); "
                 "the tool call may have been applied"
             )
         body = b"".join(chunks)
         kept = response_headers(answer)
-        complete = lost is None and answer.content.at_eof()
+        complete = lost is None and answer.at_eof()
         head = Head(answer.status, kept, body, complete=complete, broken=False)
         if lost is not None:
             self.failure = lost
@@ -351,7 +352,7 @@ class _AnswerReader:
         )
 
     async def _read_events(
-        self, answer: aiohttp.ClientResponse, deadline: float, forwarded_at: float
+        self, answer: Answer, deadline: float, forwarded_at: float
     ) -> tuple[Head, Outcome]:
         kept = response_headers(answer)
         self.streaming = response = _relayed(answer, self.told)
@@ -363,7 +364,7 @@ class _AnswerReader:
         error = "response_incomplete"
         try:
             async with asyncio.timeout_at(deadline):
-                while chunk := await answer.content.readany():
+                while chunk := await answer.read():
                     events = splitter.feed(chunk)
                     for index, event in enumerate(events):
                         outcome = self._outcome_of(event)
@@ -380,7 +381,7 @@ class _AnswerReader:
                         await self._pass_on(event.raw)
         except TimeoutError:
             error = "upstream_timeout"
-        except (aiohttp.ClientError, OSError):
+        except BrokenAnswer:
             error = "response_incomplete"
         except EventTooLarge:
             error = "event_too_large"
@@ -411,7 +412,7 @@ class _AnswerReader:
             self.client_gone = True  # read on: the outcome is still to be recorded
 
     async def finish(
-        self, head: Head, answer: aiohttp.ClientResponse | None, deadline: float
+        self, head: Head, answer: Answer | None, deadline: float
     ) -> web.StreamResponse:
         """After the outcome is recorded: the answering event, then what follows it until the
         server ends the stream, as it should once it has answered (by `timeout_s` from when

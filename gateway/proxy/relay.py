@@ -27,6 +27,8 @@ from gateway.proxy.headers import (
     connection_named,
     strip,
 )
+from gateway.wire.answer import Answer
+from gateway.wire.errors import BrokenAnswer
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -81,10 +83,9 @@ def upstream_headers(
     `request` is None for the calls the gateway makes itself (sweeper cleanups, probes):
     no client headers, no X-Forwarded-*.
     """
-    headers = (
-        CIMultiDict[str]() if request is None else strip(request.headers, GATEWAY_OWNED | drop)
-    )
-    headers["Host"] = upstream.authority
+    headers = CIMultiDict[str](Host=upstream.authority)  # first, as RFC 9112 §3.2 asks
+    if request is not None:
+        headers.extend(strip(request.headers, GATEWAY_OWNED | drop))
     for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
         headers[name] = value  # replaces any value of that name from the client
     if request is None:
@@ -113,7 +114,7 @@ def is_trusted(
     return any(address in network for network in trusted)
 
 
-def response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+def response_headers(upstream: Answer) -> list[tuple[str, str]]:
     """The upstream's answer headers without the hop-by-hop ones."""
     removed = HOP_BY_HOP | connection_named(upstream.headers)
     return [(k, v) for k, v in upstream.headers.items() if k.lower() not in removed]
@@ -140,20 +141,20 @@ class Head:
         )
 
 
-async def read_head(response: aiohttp.ClientResponse, keep_max: int, deadline: float) -> Head:
+async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
     """Read up to `keep_max` + 1 body bytes: an answer that fits is kept for replay whole."""
     chunks, size, broken = [], 0, False
     try:
         async with asyncio.timeout_at(deadline):
             while size <= keep_max:
-                chunk = await response.content.read(keep_max + 1 - size)
+                chunk = await response.read(keep_max + 1 - size)
                 if not chunk:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except (TimeoutError, BrokenAnswer):
         broken = True
-    complete = not broken and response.content.at_eof()
+    complete = not broken and response.at_eof()
     return Head(response.status, response_headers(response), b"".join(chunks), complete, broken)
 
 
@@ -174,7 +175,7 @@ class RelayedResponse(web.StreamResponse):
 async def stream_back(
     request: web.Request,
     head: Head,
-    rest: aiohttp.ClientResponse | None,
+    rest: Answer | None,
     extra: dict[str, str],
     deadline: float,
 ) -> tuple[web.StreamResponse, bool]:
@@ -198,8 +199,8 @@ async def stream_back(
             while rest is not None and not head.complete and not broken:
                 reading = True  # only the upstream's side counts as the body breaking
                 try:
-                    chunk = await rest.content.readany()
-                except (aiohttp.ClientError, OSError):
+                    chunk = await rest.read()
+                except BrokenAnswer:
                     broken = True
                     break
                 reading = False

@@ -48,6 +48,7 @@ from gateway.core.spans import call_attributes, decision_of, span_name
 from gateway.proxy.flow import Flow
 from gateway.proxy.headers import RECEIPT_HEADER
 from gateway.proxy.upstream import UpgradeRefused, UpstreamFailure, Upstreams
+from gateway.wire.answer import Answer
 
 # What an MCP tool call's `params._meta` may carry of its trace (the W3C fields, as headers).
 _META_FIELDS = ("traceparent", "tracestate", "baggage")
@@ -248,7 +249,7 @@ class TracedUpstreams(Upstreams):
         body: bytes | None,
         deadline: float,
         may_send: Callable[[], bool] | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Answer:
         call = _CURRENT.get()
         if call is None:  # a call the gateway makes itself
             return await super().send(upstream, method, rest, headers, body, deadline, may_send)

@@ -1,11 +1,12 @@
 """Sending one call to an upstream, at most once, and naming what became of it.
 
-One `ClientSession` per upstream (its own connection pool and limits). Transport errors are
-mapped to the outcomes of docs/contract.md §3 by whether a connection was in hand when they
-happened: before it, nothing was sent (`not_sent`); after it, the tool may have acted
-(`outcome_unknown`).
+Proxied calls, cleanups and probes go on the gateway's own HTTP/1.1 client (`gateway.wire`):
+one pool of keep-alive connections per upstream, its limits the upstream's. Its errors say by
+their type whether the request may have left; they are mapped here to the outcomes of
+docs/contract.md §3: before the write, nothing was sent (`not_sent`); after it, the tool may
+have acted (`outcome_unknown`).
 
-An upstream that accepts WebSocket upgrades (docs/contract.md §15) has a second session for
+An upstream that accepts WebSocket upgrades (docs/contract.md §15) has an aiohttp session for
 them, so that open sessions, which hold their connection for minutes, never take the pool
 its calls need. A refused upgrade's answer (status, headers, body) is kept to be passed back:
 aiohttp's `ws_connect` drops the body, so a trace hook reads it first.
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp.abc import AbstractStreamWriter
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 from multidict import CIMultiDict
@@ -32,6 +34,9 @@ from gateway.config.tls import ssl_context_for
 from gateway.core import errors
 from gateway.core.outcomes import Outcome
 from gateway.proxy.headers import HOP_BY_HOP, connection_named
+from gateway.wire import errors as wire
+from gateway.wire.answer import Answer
+from gateway.wire.pool import Pool
 
 # aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
@@ -55,27 +60,13 @@ class UpstreamFailure(Exception):
 
 
 class _Withdrawn(Exception):
-    """The last check before the bytes leave said no (`Upstreams.send`'s `may_send`)."""
+    """The last check before a handshake leaves said no (`open_websocket`'s `may_send`)."""
 
 
 # What the caller of a call this process may no longer send is told (`instance_lapsed`).
 LAPSED = (
     "this gateway process lost its heartbeat with the store, so peers may already be "
     "recovering its calls; the call was not sent"
-)
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """One call on its way to the tool (`Upstreams.send`), as its connector sees it."""
-
-    may_send: Callable[[], bool] | None  # the last check, asked once a connection is in hand
-    connected: bool = False  # a connection was in hand: from here on the tool may act
-    withdrawn: bool = False  # the check said no just before the body's write: nothing left
-
-
-_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
-    "fence_gateway_attempt", default=None
 )
 
 
@@ -97,9 +88,11 @@ class UpgradeRefused(Exception):
 
 @dataclass(slots=True)
 class _Handshake:
-    """What the trace hooks learn about one upgrade (ws_connect takes no trace context)."""
+    """One upgrade, as its connector and trace hook see it (ws_connect takes no trace
+    context): the last check to ask, whether a connection was in hand, a refusal."""
 
-    connected: bool = False
+    may_send: Callable[[], bool] | None
+    connected: bool = False  # a connection was in hand: from here on the tool may act
     refused: UpgradeRefused | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -107,12 +100,6 @@ class _Handshake:
 _HANDSHAKE: contextvars.ContextVar[_Handshake | None] = contextvars.ContextVar(
     "fence_gateway_handshake", default=None
 )
-
-
-async def _on_ws_connection(_session: Any, _ctx: SimpleNamespace, _params: Any) -> None:
-    state = _HANDSHAKE.get()
-    if state is not None:
-        state.connected = True
 
 
 async def _on_ws_answer(
@@ -138,59 +125,31 @@ async def _on_ws_answer(
     state.refused = UpgradeRefused(response.status, kept, b"".join(chunks))
 
 
-class _CheckedRequest(aiohttp.ClientRequest):
-    """aiohttp's request, asking the call's `may_send` once more just before its bytes leave.
-
-    aiohttp buffers a request's head and writes it with the first chunk of the body, in a task
-    of its own started after the connection is in hand (on Python 3.11 it starts on a later
-    turn of the event loop). Whatever the loop runs in between, and a pause of the process
-    there, would separate the connector's check from the write; asked again at the start of
-    that task, with nothing written yet, the check and the write are one step apart. A call
-    without a body has no such task: its head is written right after the connector's check.
-    """
-
-    async def write_bytes(
-        self, writer: AbstractStreamWriter, conn: Connection, content_length: int | None = None
-    ) -> None:
-        attempt = _ATTEMPT.get()
-        if attempt is not None and attempt.may_send is not None and not attempt.may_send():
-            attempt.withdrawn = True
-            assert conn.protocol is not None
-            # the answer's reader raises it: nothing was written, and the connection closes
-            conn.protocol.set_exception(_Withdrawn())
-            conn.close()
-            return
-        await super().write_bytes(writer, conn, content_length)
-
-
-class _CallConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, with what a call needs of the connection it is given.
+class _HandshakeConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, with what a session's handshake needs of its connection.
 
     The last check before the bytes leave (docs/contract.md §14, "A replica fences itself"):
-    once a connection is in hand, new or pooled, and nothing is written yet, the call's
+    once a connection is in hand, new or pooled, and nothing is written yet, the session's
     `may_send` is asked. When it says no, the connection is closed (neither pooled nor left
-    open) and nothing is sent. That a connection was in hand is noted: it is what tells
-    `not_sent` from `outcome_unknown`.
+    open) and nothing is sent. A handshake has no body, so aiohttp writes its head right
+    after this check, with no task of its own in between. That a connection was in hand is
+    noted: it is what tells `not_sent` from `outcome_unknown`.
 
-    An idle keep-alive connection on which the tool sent anything is closed, not reused. A
-    tool that sends more than its answer's framing says (a body longer than its
-    Content-Length, a second answer nobody asked for) leaves bytes on the connection after
-    the gateway has the whole answer and has pooled it. aiohttp parses them as an answer and
-    hands the connection to the next call, which then takes them for its own answer: another
-    client's call would get this tool's leftovers, and its receipt the wrong outcome. A
-    pooled connection with anything buffered (`should_close`) is dropped instead.
+    An idle keep-alive connection (one a refused upgrade left) on which the tool sent
+    anything is closed, not reused: aiohttp would parse those bytes as the answer to the
+    next handshake. A pooled connection with anything buffered (`should_close`) is dropped.
     """
 
     async def connect(
         self, req: aiohttp.ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
     ) -> Connection:
         connection = await super().connect(req, traces, timeout)
-        attempt = _ATTEMPT.get()
-        if attempt is not None:
-            if attempt.may_send is not None and not attempt.may_send():
+        state = _HANDSHAKE.get()
+        if state is not None:
+            if state.may_send is not None and not state.may_send():
                 connection.close()
                 raise _Withdrawn
-            attempt.connected = True
+            state.connected = True
         return connection
 
     async def _get(self, key: Any, traces: Any) -> Any:
@@ -203,27 +162,30 @@ class _CallConnector(aiohttp.TCPConnector):
 
 
 class Upstreams:
-    """The sessions of all upstreams; opened and closed with the app."""
+    """The connection pools of all upstreams; opened and closed with the app."""
 
     def __init__(self, upstreams: dict[str, Upstream]) -> None:
         self._config = upstreams
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._pools: dict[str, Pool] = {}
+        self._base_paths: dict[str, str] = {}
         self._ws_sessions: dict[str, aiohttp.ClientSession] = {}
 
     async def open(self) -> None:
         require_no_resend_switch()
         ws_trace = aiohttp.TraceConfig()
-        ws_trace.on_connection_create_end.append(_on_ws_connection)
         ws_trace.on_request_end.append(_on_ws_answer)
         for name, upstream in self._config.items():
-            self._sessions[name] = _client_session(upstream, [])
+            self._pools[name] = _pool(upstream)
+            self._base_paths[name] = urlsplit(upstream.url).path
             if upstream.websocket:  # open sessions never take the pool its calls need
-                self._ws_sessions[name] = _client_session(upstream, [ws_trace])
+                self._ws_sessions[name] = _ws_session(upstream, ws_trace)
 
     async def close(self) -> None:
-        sessions = [*self._sessions.values(), *self._ws_sessions.values()]
-        await asyncio.gather(*(s.close() for s in sessions))
-        self._sessions.clear()
+        await asyncio.gather(
+            *(pool.close() for pool in self._pools.values()),
+            *(session.close() for session in self._ws_sessions.values()),
+        )
+        self._pools.clear()
         self._ws_sessions.clear()
 
     async def open_websocket(
@@ -239,9 +201,8 @@ class Upstreams:
         within `connect_timeout_s` and `deadline` (`timeout_s`), then no timeout at all.
         `may_send` is asked as in `send`, before the handshake is written.
         Raises `UpgradeRefused` (a non-101 answer) or `UpstreamFailure`."""
-        state = _Handshake()
-        attempt = _Attempt(may_send)
-        token, attempt_token = _HANDSHAKE.set(state), _ATTEMPT.set(attempt)
+        state = _Handshake(may_send)
+        token = _HANDSHAKE.set(state)
         url = URL(upstream.url + rest, encoded=True)
         try:
             async with asyncio.timeout_at(deadline):
@@ -260,11 +221,13 @@ class Upstreams:
         except Exception as exc:
             if state.refused is not None:
                 raise state.refused from None
-            if isinstance(exc, _Withdrawn) or attempt.withdrawn:
+            if isinstance(exc, _Withdrawn):
                 raise _lapsed() from None
-            raise _classify(exc, state.connected, upstream) from exc
+            # a head aiohttp cannot encode fails whole, before any byte of it is written
+            sent = state.connected and not isinstance(exc, UnicodeEncodeError)
+            timed_out = isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError)
+            raise _classify(exc, sent, timed_out, upstream) from exc
         finally:
-            _ATTEMPT.reset(attempt_token)
             _HANDSHAKE.reset(token)
 
     async def send(
@@ -276,28 +239,26 @@ class Upstreams:
         body: bytes | None,
         deadline: float,
         may_send: Callable[[], bool] | None = None,
-    ) -> aiohttp.ClientResponse:
-        """Send once and return the response with its head read; raise `UpstreamFailure`.
+    ) -> Answer:
+        """Send once and return the answer with its head read; raise `UpstreamFailure`.
 
         `rest` is the path after the mount plus the query, forwarded with its encoding as it
         came; `deadline` (loop time) bounds the whole call, `timeout_s` of the upstream.
-        `may_send` is asked once a connection is in hand, before anything is written (a wait
-        for a free connection or a new one can be long): False, and nothing is sent.
+        `may_send` is asked once a connection is in hand (a wait for a free connection or a
+        new one can be long), in the same step as the write: False, and nothing is sent.
         """
-        attempt = _Attempt(may_send)
-        token = _ATTEMPT.set(attempt)  # for the connector (`_CallConnector.connect`)
-        url = URL(upstream.url + rest, encoded=True)
+        target = self._base_paths[upstream.name] + rest
+        if not target.startswith("/"):
+            target = "/" + target  # an upstream URL without a path, and a bare query
         try:
-            async with asyncio.timeout_at(deadline):
-                return await self._sessions[upstream.name].request(
-                    method, url, headers=headers, data=body, allow_redirects=False
-                )
-        except Exception as exc:
-            if isinstance(exc, _Withdrawn) or attempt.withdrawn:
-                raise _lapsed() from None
-            raise _classify(exc, attempt.connected, upstream) from exc
-        finally:
-            _ATTEMPT.reset(token)
+            return await self._pools[upstream.name].send(
+                method, target, headers, body, deadline, may_send
+            )
+        except wire.Withdrawn:
+            raise _lapsed() from None
+        except wire.WireError as exc:
+            sent = isinstance(exc, wire.MaybeSent)
+            raise _classify(exc, sent, isinstance(exc, wire.ReadTimeout), upstream) from exc
 
 
 def _lapsed() -> UpstreamFailure:
@@ -307,16 +268,17 @@ def _lapsed() -> UpstreamFailure:
     )
 
 
-def _classify(exc: BaseException, connected: bool, upstream: Upstream) -> UpstreamFailure:
-    # A request head aiohttp cannot encode fails whole, before any byte of it is written.
-    if not connected or isinstance(exc, UnicodeEncodeError):
+def _classify(
+    exc: BaseException, sent: bool, timed_out: bool, upstream: Upstream
+) -> UpstreamFailure:
+    if not sent:
         return UpstreamFailure(
             "not_sent",
             errors.UpstreamUnreachable(
                 f"upstream {upstream.name} could not be reached: {_describe(exc)}"
             ),
         )
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+    if timed_out:
         return UpstreamFailure(
             "outcome_unknown",
             errors.UpstreamTimeout(
@@ -337,24 +299,46 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _client_session(upstream: Upstream, traces: list[aiohttp.TraceConfig]) -> aiohttp.ClientSession:
-    """A session of `upstream`'s own: its pool and limits, bytes passed on as they are."""
+def _pool(upstream: Upstream) -> Pool:
+    """The pool of `upstream`'s calls: its limits, its host, its TLS settings."""
+    parts = urlsplit(upstream.url)
+    host = parts.hostname or ""  # the policy refuses a URL without one
+    secure = parts.scheme == "https"
+    return Pool(
+        host,
+        parts.port or (443 if secure else 80),
+        limit=upstream.max_connections,
+        connect_timeout_s=upstream.connect_timeout_s,
+        tls=_tls_of(upstream),
+        # SNI and the name the certificate must carry, unless the context names the
+        # upstream's `tls.server_name` instead (`gateway.config.tls`)
+        server_hostname=host,
+    )
+
+
+def _tls_of(upstream: Upstream) -> ssl.SSLContext | None:
+    """The context an `https://` upstream is reached with (its `tls` settings); None for
+    plain http."""
+    return ssl_context_for(upstream.tls) if upstream.url.startswith("https:") else None
+
+
+def _ws_session(upstream: Upstream, trace: aiohttp.TraceConfig) -> aiohttp.ClientSession:
+    """The session of `upstream`'s WebSocket handshakes: bytes passed on as they are."""
     session = aiohttp.ClientSession(
-        connector=_CallConnector(
+        connector=_HandshakeConnector(
             limit=upstream.max_connections,
             # plain http has no use for it; ssl=True would be aiohttp's own default context
-            ssl=ssl_context_for(upstream.tls) if upstream.url.startswith("https:") else True,
+            ssl=_tls_of(upstream) or True,
         ),
-        request_class=_CheckedRequest,
         auto_decompress=False,
-        trace_configs=traces,
+        trace_configs=[trace],
         skip_auto_headers=_SKIP_AUTO_HEADERS,
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout_s),
     )
-    # aiohttp silently resends PUT, DELETE and other "idempotent" methods once when a reused
-    # keep-alive connection turns out dead. A fenced call must reach the tool at most once, so
-    # that retry is switched off (there is no public switch).
+    # aiohttp silently resends "idempotent" methods, a handshake's GET among them, once when a
+    # reused keep-alive connection turns out dead. A session must reach the tool at most
+    # once, so that retry is switched off (there is no public switch).
     session._retry_connection = False
     return session
 

@@ -7,8 +7,9 @@
 server writing scripted bytes: an invalid status line, no status line at all, headers that
 never end, a body longer than its Content-Length (the extra bytes at once, or after a pause,
 when the connection already sits idle in the gateway's pool), and a `100 Continue` followed
-by nothing. Every case runs for a fenced call and a plain one, on both HTTP parsers (the
-gateway's client parses the tool's answers with the same parser).
+by nothing. Every case runs for a fenced call and a plain one, on both of aiohttp's HTTP
+parsers at the gateway's front; the tool's answers are read by the gateway's own client
+(`gateway.wire`, httptools' strict parser) on either.
 """
 
 from __future__ import annotations

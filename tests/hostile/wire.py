@@ -166,11 +166,14 @@ Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
 class WireTool:
     """A tool answering in raw HTTP/1.1, by request path: the bytes given, or what a script
     writes (answers aiohttp's server will not produce, or that break HTTP). It reads each
-    request, its head and a Content-Length body, and keeps every head."""
+    request, its head and a Content-Length body, and keeps every head and the connection it
+    came on (1 for the first connection, 2 for the next, ...)."""
 
     def __init__(self, answers: Mapping[str, bytes | Script]) -> None:
         self.answers = answers
         self.heads: list[bytes] = []
+        self.connections: list[int] = []  # the connection of each head in `heads`
+        self._accepted = 0
         self.port: int | None = None
         self._server: asyncio.Server | None = None
 
@@ -194,10 +197,13 @@ class WireTool:
         await self.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._accepted += 1
+        connection = self._accepted
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 self.heads.append(head)
+                self.connections.append(connection)
                 length = 0
                 for line in head.split(b"\r\n")[1:]:
                     name, _, value = line.partition(b":")

@@ -62,7 +62,7 @@ async def test_without_the_switch_no_upstream_session_is_opened() -> None:
     with pytest.raises(RuntimeError, match=r"^aiohttp 3\.10\.11 is installed"):
         await upstreams.open()
     # none for its calls, none for its WebSocket sessions
-    assert upstreams._sessions == {} and upstreams._ws_sessions == {}
+    assert upstreams._pools == {} and upstreams._ws_sessions == {}
 
 
 def test_serve_without_the_switch_exits_2_with_one_line(tmp_path: Path) -> None:
