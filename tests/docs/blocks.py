@@ -6,6 +6,8 @@ convention in tests/docs/test_examples.py):
     <!-- not-run: REASON -->          not run, for REASON (required)
     <!-- run: background port=N -->  started in the background; the next blocks wait for N
     <!-- output -->                   the exact output of the block run just before
+    <!-- run-by: PATH -->             run by the test at PATH (a file of the repository)
+                                      instead, which reads the block from the page
 
 A line `--8<-- "PATH"` inside a block is the file at PATH (from the repository's root), as
 the site's snippets extension includes it: a page shows a shipped file without a copy of it.
@@ -27,6 +29,7 @@ _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<lang>[\w+-]*)[^`]*$")
 _MARKER = re.compile(r"^\s*<!--\s*(?P<body>.*?)\s*-->\s*$")
 _NOT_RUN = re.compile(r"^not-run:\s*(?P<reason>\S.*)$")
 _BACKGROUND = re.compile(r"^run:\s*background\s+port=(?P<port>\d+)$")
+_RUN_BY = re.compile(r"^run-by:\s*(?P<path>\S+)$")
 _SNIPPET = re.compile(r'^--8<-- "(?P<path>[^"]+)"$', re.M)
 
 
@@ -43,6 +46,7 @@ class Block:
     not_run: str | None = None  # the reason, when marked not-run
     background_port: int | None = None
     is_output: bool = False
+    run_by: str | None = None  # the test that runs it instead, when marked run-by
 
     @property
     def where(self) -> str:
@@ -50,9 +54,11 @@ class Block:
 
     @property
     def kind(self) -> str:
-        """ "not-run", "output", "yaml", "python", "shell", "show" or "unknown"."""
+        """ "not-run", "run-by", "output", "yaml", "python", "shell", "show" or "unknown"."""
         if self.not_run is not None:
             return "not-run"
+        if self.run_by is not None:
+            return "run-by"
         if self.is_output:
             return "output"
         if self.lang in CHECK:
@@ -98,6 +104,8 @@ def _marked(page: str, line: int, lang: str, text: str, before: list[str]) -> Bl
         return Block(page, line, lang, text, background_port=int(background["port"]))
     if body == "output":
         return Block(page, line, lang, text, is_output=True)
+    if run_by := _RUN_BY.match(body):
+        return Block(page, line, lang, text, run_by=run_by["path"])
     if body.startswith(("not-run", "run", "output")):
         raise MarkerError(f"{page}:{line}: a marker the convention does not know: {previous}")
     return Block(page, line, lang, text)  # another comment: not a marker

@@ -24,6 +24,7 @@ def test_blocks_and_their_markers(tmp_path: Path) -> None:
         "```python\nprint(1)\n```\n<!-- output -->\n```text\n1\n```\n\n"
         "<!-- an ordinary comment -->\n```yaml\na: 1\n```\n\n"
         "* a list item:\n\n  ```bash\n  echo indented\n  ```\n\n```ruby\nputs 1\n```\n"
+        "\n<!-- run-by: tests/recipes/test_recipes.py -->\n```python\nprint(2)\n```\n"
     )
     found = blocks_of(page(tmp_path, "p.md", text), tmp_path)
     assert [(b.kind, b.line) for b in found] == [
@@ -34,14 +35,22 @@ def test_blocks_and_their_markers(tmp_path: Path) -> None:
         ("yaml", 22),
         ("shell", 28),
         ("unknown", 32),
+        ("run-by", 37),
     ]
+    assert found[7].run_by == "tests/recipes/test_recipes.py"
     assert found[0].not_run == "needs a cluster"
     assert found[1].background_port == 9400
     assert found[5].text == "echo indented\n"
 
 
 def test_a_marker_the_convention_does_not_know_is_an_error(tmp_path: Path) -> None:
-    for marker in ("<!-- not-run -->", "<!-- run: later -->", "<!-- output: maybe -->"):
+    unknown = (
+        "<!-- not-run -->",
+        "<!-- run: later -->",
+        "<!-- output: maybe -->",
+        "<!-- run-by -->",
+    )
+    for marker in unknown:
         with pytest.raises(MarkerError):
             blocks_of(page(tmp_path, "p.md", f"{marker}\n```sh\ntrue\n```\n"), tmp_path)
 

@@ -26,9 +26,19 @@ A marker is an HTML comment on the line just before the opening fence:
                                       page ends; the next block waits until N answers
     <!-- output -->                   a `text` block that is the exact output of the block run
                                       just before it
+    <!-- run-by: PATH -->             run by the test module at PATH instead, which reads the
+                                      block from the page itself
 
 A README block whose text is also a block of a docs page is that page's to run (the README
 shows a few of the site's examples); any other README block is run here like a page's.
+
+`run-by` is for examples that need more around them than a page's sandbox gives: the agent
+framework recipes (docs/guides/agent-frameworks.md) need a recording tool and a real MCP
+server behind the shipped policies, a virtualenv of their own for LangChain, and checks of
+what reached the tools, which tests/recipes/ has. So that test owns them and reads them from
+the page, exactly as written; this one runs nothing of theirs, and checks only that the test
+the marker names exists. One owner per block: nothing is run twice, and the two cannot
+disagree about how a block runs.
 """
 
 from __future__ import annotations
@@ -73,6 +83,8 @@ BLOCKS = page_blocks(PAGES)
 def test_every_block_is_run_or_marked(page: str) -> None:
     unknown = [b.where + f" ({b.lang})" for b in BLOCKS[page] if b.kind == "unknown"]
     assert not unknown, f"blocks in a language the test does not run, and unmarked: {unknown}"
+    ownerless = [b.where for b in BLOCKS[page] if b.run_by and not (REPO_ROOT / b.run_by).is_file()]
+    assert not ownerless, f"blocks marked run-by a test that does not exist: {ownerless}"
     for index, block in enumerate(BLOCKS[page]):
         if block.kind == "output":
             runs = BLOCKS[page][index - 1].kind if index else None

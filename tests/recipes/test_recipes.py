@@ -1,8 +1,15 @@
-"""The README's "Agent frameworks and HTTP clients" examples run as written, each as a script,
-with the real packages and no language model (docs/contract.md §20): against a real gateway
-subprocess on the shipped policies (their upstream addresses pointed at this test's tools), a
-real recording upstream for the HTTP examples and the real MCP server of tests/mcp/ for the
-MCP ones. Each prints what the README says it prints, and the tools show what reached them."""
+"""The examples of docs/guides/agent-frameworks.md ("Recipes, run as written") run as
+written, each as a script, with the real packages and no language model (docs/contract.md
+§20): against a real gateway subprocess on the shipped policies (their upstream addresses
+pointed at this test's tools), a real recording upstream for the HTTP examples and the real
+MCP server of tests/mcp/ for the MCP ones. Each prints what the page says it prints, and the
+tools show what reached them.
+
+The page marks each of them `<!-- run-by: tests/recipes/test_recipes.py -->` (the convention
+of tests/docs/test_examples.py), so this test is their one runner: tests/docs/ checks the
+marker and leaves them to it. They stay here rather than in the docs sandbox because they
+need what that sandbox does not give a page: tools of the test's own behind the shipped
+policies, LangChain's virtualenv, and checks of what reached each tool."""
 
 from __future__ import annotations
 
@@ -25,11 +32,13 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from gateway.client import GatewayClient, LeaseLost
+from tests.docs.blocks import blocks_of
 from tests.harness import REPO_ROOT, GatewayProcess, RecordingUpstream
 from tests.mcp.conftest import McpServerProcess, McpServerView
 from tests.recipes.environments import venv_python
 
-SECTION = "Agent frameworks and HTTP clients"
+PAGE = REPO_ROOT / "docs" / "guides" / "agent-frameworks.md"
+THIS_TEST = "tests/recipes/test_recipes.py"  # what the page's run-by markers name
 LANGCHAIN_REQUIREMENTS = Path(__file__).with_name("langchain-requirements.txt")
 
 
@@ -37,28 +46,36 @@ LANGCHAIN_REQUIREMENTS = Path(__file__).with_name("langchain-requirements.txt")
 class Recipe:
     name: str  # the file name its first line gives
     code: str
-    output: str  # what the README shows it printing
+    output: str  # what the page shows it printing
 
 
-def readme_recipes() -> dict[str, Recipe]:
-    """Each Python block of the section (first line `# name.py`) and the output block after
-    it (`$ python name.py`, then what it prints)."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split(f"\n## {SECTION}\n", 1)[1].split("\n## ", 1)[0]
+def page_recipes() -> dict[str, Recipe]:
+    """Each block of the page marked run-by this test: a Python block whose first line is
+    `# name.py`, and the `text` block after it (`$ python name.py`, then what it prints)."""
+    blocks = blocks_of(PAGE, REPO_ROOT)
     found = {}
-    blocks = r"```python\n# (\S+\.py)\n(.*?)```\n\n```text\n(.*?)```"
-    for match in re.finditer(blocks, section, re.S):
-        name, code, shown = match.groups()
-        command, _, output = shown.partition("\n")
+    for index, block in enumerate(blocks):
+        if block.run_by != THIS_TEST:
+            continue
+        named = re.match(r"# (\S+\.py)\n", block.text)
+        assert block.lang == "python" and named, f"{block.where}: not a `# name.py` script"
+        shown = blocks[index + 1] if index + 1 < len(blocks) else None
+        assert shown is not None and shown.lang == "text", f"{block.where}: no output after it"
+        command, _, output = shown.text.partition("\n")
+        name = named[1]
         assert command.endswith(f"python {name}"), f"{name}: the output block runs {command!r}"
-        found[name] = Recipe(name, f"# {name}\n{code}", output)
+        found[name] = Recipe(name, block.text, output)
     return found
 
 
-def test_every_python_block_of_the_section_is_a_recipe() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split(f"\n## {SECTION}\n", 1)[1].split("\n## ", 1)[0]
-    assert section.count("```python\n") == len(readme_recipes()) == 5
+def test_the_page_s_recipes_are_the_ones_run_here() -> None:
+    assert sorted(page_recipes()) == [
+        "deploy_httpx.py",
+        "deploy_requests.py",
+        "langchain_agent.py",
+        "mcp_sdk.py",
+        "pydantic_ai_agent.py",
+    ]
 
 
 def shipped_policies(workdir: Path, urls: dict[str, str]) -> Path:
@@ -147,7 +164,7 @@ class TestHttpClients:
 
     async def test_requests(self, tools: Tools, tmp_path: Path) -> None:
         gateway, deploy = tools
-        recipe = readme_recipes()["deploy_requests.py"]
+        recipe = page_recipes()["deploy_requests.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         [call] = [c for c in deploy.received() if c.resource == "deploy/staging"]
         assert (call.method, call.path, json.loads(call.body)) == (
@@ -159,7 +176,7 @@ class TestHttpClients:
 
     async def test_httpx_and_a_lost_lease(self, tools: Tools, tmp_path: Path) -> None:
         gateway, deploy = tools
-        recipe = readme_recipes()["deploy_httpx.py"]
+        recipe = page_recipes()["deploy_httpx.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         # the call after the loss never reached the tool
         [call] = [c for c in deploy.received() if c.resource == "deploy/canary"]
@@ -176,7 +193,7 @@ class TestMcpClients:
         self, tools: Tools, server: McpServerView, tmp_path: Path
     ) -> None:
         gateway, _ = tools
-        recipe = readme_recipes()["mcp_sdk.py"]
+        recipe = page_recipes()["mcp_sdk.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         assert server.effects("send_email") == [
             {"effect": "send_email", "to": "bob", "text": "the deploy is done"}
@@ -185,7 +202,7 @@ class TestMcpClients:
 
     async def test_pydantic_ai(self, tools: Tools, server: McpServerView, tmp_path: Path) -> None:
         gateway, _ = tools
-        recipe = readme_recipes()["pydantic_ai_agent.py"]
+        recipe = page_recipes()["pydantic_ai_agent.py"]
         assert await run_recipe(recipe, gateway, tmp_path, sys.executable) == recipe.output
         assert server.effects("send_email") == [{"effect": "send_email", "to": "bob", "text": "hi"}]
         await self._one_fenced_call(gateway, server, "mailbox/carol")
@@ -195,7 +212,7 @@ class TestMcpClients:
     ) -> None:
         gateway, _ = tools
         python = await asyncio.to_thread(venv_python, LANGCHAIN_REQUIREMENTS)
-        recipe = readme_recipes()["langchain_agent.py"]
+        recipe = page_recipes()["langchain_agent.py"]
         assert await run_recipe(recipe, gateway, tmp_path, str(python)) == recipe.output
         assert server.effects("send_email") == [{"effect": "send_email", "to": "bob", "text": "hi"}]
         await self._one_fenced_call(gateway, server, "mailbox/dave")
@@ -203,9 +220,9 @@ class TestMcpClients:
     async def test_a_lost_lease_sends_no_tool_call_through_the_sdk(
         self, tools: Tools, server: McpServerView
     ) -> None:
-        """Not a README example: what the MCP SDK does when `auth=` refuses to send. The call is
-        cancelled and LeaseLost leaves the connection's `async with` (in an exception group,
-        from the SDK's task group); no tool call reaches the server."""
+        """Not an example of the page: what the MCP SDK does when `auth=` refuses to send. The
+        call is cancelled and LeaseLost leaves the connection's `async with` (in an exception
+        group, from the SDK's task group); no tool call reaches the server."""
         gateway, _ = tools
         async with GatewayClient(gateway.url) as gw:
             lease = gw.lease("mailbox/erin", owner="run-8f21", ttl_s=1, auto_renew=False)
