@@ -31,7 +31,7 @@ _HELD_BUCKETS = (0.1, 0.5, 1, 5, 15, 30, 60, 120, 300, 900, 3600, 14400)
 class Metrics:
     """One registry per app, so several gateways in one test process do not collide."""
 
-    def __init__(self) -> None:
+    def __init__(self, replication: str = "async") -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "fence_gateway_requests_total",
@@ -128,11 +128,17 @@ class Metrics:
         )
         for floor in ("applied", "not_needed"):  # from 0, so that a rate sees the first one
             self.store_epochs.labels(floor)
-        self.replication_synchronous = Gauge(
-            "fence_gateway_replication_synchronous",
-            "Under GATEWAY_REPLICATION=sync: 1 while the last check found synchronous "
-            "replication, 0 while this replica admits nothing for want of it",
-            registry=registry,
+        # Only a replica that checks replication exports it: a 0 elsewhere would read as
+        # "admits nothing" to the alerting rule (deploy/prometheus/alerts.yaml).
+        self.replication_synchronous = (
+            Gauge(
+                "fence_gateway_replication_synchronous",
+                "Under GATEWAY_REPLICATION=sync: 1 while the last check found synchronous "
+                "replication, 0 while this replica admits nothing for want of it",
+                registry=registry,
+            )
+            if replication == "sync"
+            else None
         )
 
         # What every proxied call counts with, by label values: the child is made on first

@@ -32,7 +32,7 @@ def create_app(
     app[appkeys.CLIENTS] = clients
     app[appkeys.SETTINGS] = settings
     app[appkeys.POLICIES] = policies
-    app[appkeys.METRICS] = Metrics()
+    app[appkeys.METRICS] = Metrics(settings.replication)
     overload.install(app, settings.max_inflight)  # applied by the HTTP server, on each head
     app[appkeys.LANES] = Lanes()
     app[failover.SAID] = failover.Said()

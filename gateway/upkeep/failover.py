@@ -49,7 +49,7 @@ def report(app: web.Application) -> None:
             }
         logs.event("store_epoch_changed", logging.ERROR if applied else logging.WARNING, **fields)
     problem = store.replication_problem
-    if app[appkeys.SETTINGS].replication == "sync":
+    if metrics.replication_synchronous is not None:  # GATEWAY_REPLICATION=sync
         metrics.replication_synchronous.set(problem is None)
     said = app[SAID]
     if problem is not None and problem != said.problem:

@@ -77,13 +77,22 @@ class TestRules:
     def test_every_metric_read_is_exported(self) -> None:
         exported = {
             name
-            for metric in Metrics().registry.collect()
+            for metric in Metrics(replication="sync").registry.collect()
             for name in (metric.name, f"{metric.name}_total")
         }
         for rule in rules():
             read = set(re.findall(r"\b(fence_gateway_\w+|up)\b(?=[{\s)\[])", rule["expr"]))
             assert read, rule["alert"]
             assert read - SCRAPE_SERIES <= exported, (rule["alert"], read - exported)
+
+    def test_the_replication_gauge_is_exported_only_in_sync(self) -> None:
+        """A 0 from a replica that does not check replication would fire the alert."""
+
+        def exported(metrics: Metrics) -> set[str]:
+            return {metric.name for metric in metrics.registry.collect()}
+
+        assert "fence_gateway_replication_synchronous" not in exported(Metrics())
+        assert "fence_gateway_replication_synchronous" in exported(Metrics(replication="sync"))
 
     @pytest.mark.parametrize("rule", rules(), ids=lambda rule: rule["alert"])
     def test_each_alert_says_what_to_do_and_where(self, rule: dict[str, Any]) -> None:
