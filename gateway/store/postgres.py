@@ -77,6 +77,7 @@ from gateway.store.pg_primary import START_TIMEOUT_S, PostgresStartupError, Prim
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
     KEY_STATE_SELECT,
+    LEASE_COLUMNS,
     RECEIPT_SELECT,
     REJECTED_COLUMNS,
     SETTLED_SQL,
@@ -112,17 +113,6 @@ _RETRIES = 3  # a deadlock or serialization failure is retried this many times i
 _DURABLE_SETTINGS = ("on", "remote_write", "remote_apply")
 
 _NOW = "extract(epoch from clock_timestamp())::float8"
-_LEASE_COLUMNS = (
-    "resource",
-    "owner",
-    "fence",
-    "client",
-    "acquire_key",
-    "state",
-    "acquired_at",
-    "renewed_at",
-    "expires_at",
-)
 
 # Lock a resource's fences row (creating it), and read it, the store-wide fence floors
 # (docs/contract.md §18), the database's time after the lock and the replication settings
@@ -149,7 +139,7 @@ _LOCK_FENCES_ROW = (
 _RUN_HEAD = (
     f"SELECT {_NOW} AS now, f.issued, f.accepted, "
     + ", ".join(
-        [f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS]
+        [f"l.{c} AS l_{c}" for c in LEASE_COLUMNS]
         + [f"c.{c} AS c_{c}" for c in cp.CHECKPOINT_COLUMNS]
     )
     + " FROM (VALUES (1)) AS one (x) LEFT JOIN fences f ON f.resource = $1 "
@@ -162,7 +152,7 @@ _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 
 # After the lock: the lease, the key's latest receipt and, without one, the earlier attempts.
 _LEASE_AND_KEY = ", ".join(
-    [f"l.{c} AS l_{c}" for c in _LEASE_COLUMNS] + [f"r.{c} AS k_{c}" for c in KEY_STATE_COLUMNS]
+    [f"l.{c} AS l_{c}" for c in LEASE_COLUMNS] + [f"r.{c} AS k_{c}" for c in KEY_STATE_COLUMNS]
 )
 _ADMIT_READ = (
     f"SELECT {_LEASE_AND_KEY}, "
