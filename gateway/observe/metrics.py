@@ -110,7 +110,9 @@ class Metrics:
         )
         self.ready = Gauge(
             "fence_gateway_ready",
-            "1 while the store accepts this replica's heartbeat writes, 0 while it does not",
+            "1 while this replica's heartbeat reaches the store (and, under "
+            "GATEWAY_REPLICATION=sync, finds replication synchronous), 0 while not: what "
+            "readyz says",
             registry=registry,
         )
         self.checkpoints = Counter(

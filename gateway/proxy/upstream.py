@@ -18,7 +18,7 @@ import asyncio
 import contextvars
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -38,7 +38,8 @@ from gateway.wire import errors as wire
 from gateway.wire.answer import Answer
 from gateway.wire.pool import Pool
 
-# aiohttp adds these unless told not to; a proxy passes on what the client sent, nothing more.
+# aiohttp adds these to a session's handshake unless told not to; a proxy passes on what the
+# client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
@@ -94,7 +95,6 @@ class _Handshake:
     may_send: Callable[[], bool] | None
     connected: bool = False  # a connection was in hand: from here on the tool may act
     refused: UpgradeRefused | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 _HANDSHAKE: contextvars.ContextVar[_Handshake | None] = contextvars.ContextVar(
@@ -346,10 +346,12 @@ def _ws_session(upstream: Upstream, trace: aiohttp.TraceConfig) -> aiohttp.Clien
 def require_no_resend_switch() -> None:
     """Refuse to run on an aiohttp whose client cannot be told not to resend a call.
 
-    aiohttp resends PUT, DELETE and other "idempotent" methods once when a reused keep-alive
-    connection turns out dead. Since 3.11 `ClientSession._retry_connection` switches that off
-    (`_client_session` sets it); before, the attribute did not exist, setting it did nothing,
-    and a fenced call could reach its tool twice. `ClientSession.ATTRS` lists the attributes
+    aiohttp resends GET, PUT, DELETE and other "idempotent" requests once when a reused
+    keep-alive connection turns out dead. Proxied calls go through the gateway's own client
+    (gateway.wire), which never resends; a session's handshake still goes through aiohttp's.
+    Since 3.11 `ClientSession._retry_connection` switches the resend off (`_client_session`
+    sets it); before, the attribute did not exist, setting it did nothing, and a fenced
+    handshake could reach its tool twice. `ClientSession.ATTRS` lists the attributes
     a session carries: the switch is among them in every release that reads it (3.11 on) and
     in none before.
     """
@@ -359,6 +361,6 @@ def require_no_resend_switch() -> None:
     if "_retry_connection" not in known:
         raise RuntimeError(
             f"aiohttp {aiohttp.__version__} is installed, but fence-gateway needs aiohttp>="
-            f"{floor}: this one cannot be told not to resend a PUT or DELETE on a dead "
-            "keep-alive connection, so a fenced call could reach its tool twice"
+            f"{floor}: this one cannot be told not to resend a request on a dead "
+            "keep-alive connection, so a fenced session's handshake could reach its tool twice"
         )

@@ -11,9 +11,10 @@
   (`http://xn--a/`, on either parser: building the request from it fails inside aiohttp's
   connection task, which then neither answers nor closes the connection);
 * so is a request with a header to pass on to the tool whose value has bytes that are not
-  UTF-8: aiohttp's client cannot send it as received (its C writer drops those bytes, its
-  Python writer fails after the connection was taken). The headers the gateway reads itself
-  are left to their own checks (docs/contract.md §3);
+  UTF-8: it cannot be sent to the tool as received (the gateway's client refuses it, and
+  aiohttp's, for a session's handshake, would drop those bytes or fail after the connection
+  was taken), so the caller is told at once, before anything is admitted. The headers the
+  gateway reads itself are left to their own checks (docs/contract.md §3);
 * `GATEWAY_MAX_INFLIGHT` (gateway.server.overload) is applied to each request as its head is
   parsed, before aiohttp builds a request object or a task for it. A shed call with nothing
   ahead of it on its connection and its body all in (a crowd's every call) is answered there

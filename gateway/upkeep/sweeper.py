@@ -81,7 +81,11 @@ async def sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def heartbeat(app: web.Application) -> None:
     """Renew this instance's heartbeat; say so when the store made it go on under a new id,
-    and what became of the store's epochs and replication meanwhile (`failover.report`)."""
+    and what became of the store's epochs and replication meanwhile (`failover.report`).
+
+    `fence_gateway_ready` follows what `readyz` would say: 0 while the heartbeat fails, which
+    under `GATEWAY_REPLICATION=sync` includes a renewal that found replication not
+    synchronous (the store raises after it: this replica admits nothing meanwhile)."""
     store = app[appkeys.STORE]
     before = store.instance
     ready = app[appkeys.METRICS].ready
@@ -90,14 +94,16 @@ async def heartbeat(app: web.Application) -> None:
     except errors.StoreUnavailable:
         ready.set(0)
         raise
+    else:
+        ready.set(1)
     finally:
         failover.report(app)
-    ready.set(1)
-    if store.instance != before:
-        logs.event(
-            "instance_lapsed",
-            logging.ERROR,
-            instance=before,
-            now=store.instance,
-            detail="silent too long for the store: calls admitted under the old id are not sent",
-        )
+        if store.instance != before:  # said even when a check after the renewal failed
+            logs.event(
+                "instance_lapsed",
+                logging.ERROR,
+                instance=before,
+                now=store.instance,
+                detail="silent too long for the store: calls admitted under the old id are "
+                "not sent",
+            )

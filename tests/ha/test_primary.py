@@ -179,8 +179,14 @@ class TestRestoredIntoAnotherCluster:
         finally:
             drop_database(source)
         target = async_cluster.url(database)
+        # libpq takes the first host that answers unless told to look for the primary
         subprocess.run(
-            [str(PG_BIN / "pg_restore"), "--no-owner", f"--dbname={target}", str(dump)],
+            [
+                str(PG_BIN / "pg_restore"),
+                "--no-owner",
+                f"--dbname={target}?target_session_attrs=read-write",
+                str(dump),
+            ],
             check=True,
         )
         store = store_on(target)
