@@ -256,14 +256,8 @@ class TracedUpstreams(Upstreams):
         span = call.client_span(upstream, method, headers)
         try:
             answer = await super().send(upstream, method, rest, headers, body, deadline, may_send)
-        except UpstreamFailure as failure:
-            span.set_attribute("error.type", failure.error.code)
-            span.set_status(Status(StatusCode.ERROR))
-            span.end()
-            raise
-        except BaseException:
-            span.set_status(Status(StatusCode.ERROR))
-            span.end()
+        except BaseException as exc:
+            _failed(span, exc)
             raise
         _answered(span, answer.status)  # at the answer's head, as HTTP clients' spans end
         return answer
@@ -291,14 +285,8 @@ class TracedUpstreams(Upstreams):
         except UpgradeRefused as refused:
             _answered(span, refused.status)
             raise
-        except UpstreamFailure as failure:
-            span.set_attribute("error.type", failure.error.code)
-            span.set_status(Status(StatusCode.ERROR))
-            span.end()
-            raise
-        except BaseException:
-            span.set_status(Status(StatusCode.ERROR))
-            span.end()
+        except BaseException as exc:
+            _failed(span, exc)
             raise
         _answered(span, 101)
         return socket
@@ -308,6 +296,14 @@ def _answered(span: trace.Span, status: int) -> None:
     span.set_attribute("http.response.status_code", status)
     if status >= 500:
         span.set_status(Status(StatusCode.ERROR))
+    span.end()
+
+
+def _failed(span: trace.Span, exc: BaseException) -> None:
+    """End a client span whose call to the tool failed: the gateway's code when it has one."""
+    if isinstance(exc, UpstreamFailure):
+        span.set_attribute("error.type", exc.error.code)
+    span.set_status(Status(StatusCode.ERROR))
     span.end()
 
 

@@ -36,7 +36,6 @@ class Connection(asyncio.Protocol):
         self._peer_done = False  # the tool closed its side (EOF)
         self._writing_paused = False
         self._reading_paused = False
-        self.counted = True  # holds one of the pool's slots (`Pool.forget` gives it back)
         self.idle_since = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------------------
