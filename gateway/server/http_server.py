@@ -20,7 +20,8 @@
   ahead of it on its connection and its body all in (a crowd's every call) is answered there
   and then, and its connection is not read again for the Retry-After second it was told;
   any other (pipelined behind another call, its body still coming, HTTP/1.0, an upgrade) is
-  answered in its turn through aiohttp, which reads and drops its body. A counted call's
+  answered in its turn through aiohttp, which reads and drops its body, and its connection,
+  when kept and its body all read, is left unread for that second too. A counted call's
   time runs from the parse of its head to the end of the writing of its answer.
 
 Every request on a connection comes out of aiohttp's parser, which `_AdmittingParser` wraps
@@ -221,9 +222,16 @@ class _GatewayRequestHandler(RequestHandler):
             self.force_close()  # the client asked: the answer is flushed first
             return
         self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
-        # Not read again before the Retry-After it was told: a client that resends at once on
-        # this connection (a retry loop, wrk) waits that out unread, costing the loop nothing,
-        # instead of cycling through 503s as fast as the loop answers them.
+        self._pause_after_shed()
+
+    def _pause_after_shed(self) -> None:
+        """Not read again before the Retry-After the client was told: one that resends at once
+        on this connection (a retry loop, wrk) waits that out unread, costing the loop nothing,
+        instead of cycling through 503s as fast as the loop answers them. The second counts
+        from the last 503, and the pause is made again: aiohttp resumes reading when it takes
+        a pipelined request from its queue."""
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
         self._pause_reading_for_buffer()
         self._shed_pause = self._loop.call_later(RETRY_AFTER_S, self._resume_after_shed)
 
@@ -239,7 +247,12 @@ class _GatewayRequestHandler(RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         verdict = self._verdicts.pop(id(request._message), (None, None))[1]
         if isinstance(verdict, ShedAnswer):
-            return await super()._handle_request(request, start_time, _answering(verdict))
+            answered = await super()._handle_request(request, start_time, _answering(verdict))
+            # its body all read (aiohttp would wait for the rest of one unread, which the
+            # pause would hold back) and the connection kept: paused as one answered at once
+            if request.content.is_eof() and answered[0].keep_alive and not answered[1]:
+                self._pause_after_shed()
+            return answered
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:

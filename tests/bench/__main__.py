@@ -174,7 +174,9 @@ async def acquire_leases(session: aiohttp.ClientSession, url: str) -> tuple[str,
 
 async def probe(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
     """Fenced POSTs on PROBE_CONNECTIONS connections while wrk runs; the latencies (s) of those
-    that were admitted (200). wrk's own percentiles mix them with the fast 503s."""
+    that were admitted (200). wrk's own percentiles mix them with the fast 503s. The probe is
+    a client that keeps to the protocol: a shed call is sent again after its Retry-After (a
+    connection that sends sooner waits that second out unread: gateway.server.overload)."""
     latencies: list[float] = []
 
     async def one(worker: int) -> None:
@@ -190,7 +192,7 @@ async def probe(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -
                     if resp.status == 200:
                         latencies.append(time.perf_counter() - started)
                     else:
-                        await asyncio.sleep(0.01)
+                        await asyncio.sleep(float(resp.headers.get("Retry-After", "0.01")))
             except (aiohttp.ClientError, OSError):
                 await asyncio.sleep(0.01)
 

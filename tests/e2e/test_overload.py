@@ -291,6 +291,32 @@ async def test_shed_calls_behind_another_or_before_their_body_keep_the_connectio
         assert gateway.app[overload.LIMIT].in_flight == 0
 
 
+async def test_a_shed_call_answered_in_its_turn_leaves_its_connection_unread_too(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    """Shed calls answered in their turn (pipelined) leave their connection unread for the
+    Retry-After second as one answered at once does: a client that resends at once is read,
+    and admitted, only after it."""
+    loop = asyncio.get_running_loop()
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        reader, writer = await gateway.connect()
+        writer.write(fenced_post("/tool/one", b'{"n": 1}') + fenced_post("/tool/two", b"[2]"))
+        answers = [await read_answer(reader) for _ in range(2)]
+        shed_at = loop.time()
+        assert [status for status, _, _ in answers] == [503, 503]
+        gate.set()
+        assert (await held).status == 200  # the one slot is free again
+
+        writer.write(fenced_post("/tool/three", b'{"n": 3}'))
+        status, _, _ = await read_answer(reader)
+        assert status == 200
+        assert loop.time() - shed_at >= 0.8  # Retry-After: 1, counted from the last 503
+        assert [r.path_qs for r in upstream.received()][1:] == ["/api/three"]
+        writer.close()
+        assert gateway.app[overload.LIMIT].in_flight == 0
+
+
 async def test_a_shed_call_that_asked_to_close_is_answered_and_closed(
     tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
 ) -> None:
