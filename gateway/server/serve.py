@@ -19,6 +19,12 @@ from gateway.proxy import appkeys
 from gateway.server.app import create_app
 from gateway.server.http_server import GatewayRunner, GatewaySite
 
+# Connections the kernel may hold accepted or half-open before the loop takes them (it caps
+# this at net.core.somaxconn). asyncio's 128 drops the SYNs of a crowd that connects at once
+# (2,000 agents after a restart): each dropped client waits out a retransmission, a second
+# or more, before its first call is even read.
+LISTEN_BACKLOG = 4096
+
 
 class ConfigError(Exception):
     """Configuration that keeps the gateway from starting: exit status 2."""
@@ -160,6 +166,7 @@ async def serve(
         settings.port,
         handshake_timeout_s=settings.header_timeout_s,
         ssl_context=tls,
+        backlog=LISTEN_BACKLOG,
         reuse_address=True,
         reuse_port=reuse_port or None,
     )

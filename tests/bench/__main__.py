@@ -57,7 +57,7 @@ MEMORY_CALLS = int(os.environ.get("BENCH_MEMORY_CALLS", "100000" if QUICK else "
 MEMORY_RESOURCES = int(os.environ.get("BENCH_MEMORY_RESOURCES", "10000" if QUICK else "100000"))
 RETENTION_S = 30  # the bench's gateways keep receipts and keys this long: a steady database
 COSTS = os.environ.get("BENCH_COSTS", "1") not in ("", "0")
-PROBE_CONNECTIONS = 4  # beside the 2,000: the latency of calls that were admitted
+PROBE_CONNECTIONS = 16  # beside the 2,000: the latency of calls that were admitted
 
 
 @dataclass
