@@ -418,6 +418,52 @@ class TestUnderTheLock:
             await holder.close()
             await store.close()
 
+    async def test_a_row_made_for_the_lock_is_undone_when_the_call_is_left_to_the_transaction(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A resource first seen by two at once: the one statement looked before the lock
+        (no row yet), made the row meanwhile committed by the other, and found it accepted
+        above its token: its statement is undone (FG001), and the full path refuses."""
+        raised: list[str] = []
+        fetchrow = asyncpg.Connection.fetchrow
+
+        async def watched(self: Any, query: str, *args: Any, **kw: Any) -> Any:
+            try:
+                return await fetchrow(self, query, *args, **kw)
+            except asyncpg.PostgresError as exc:
+                raised.append(exc.sqlstate)
+                raise
+
+        monkeypatch.setattr(asyncpg.Connection, "fetchrow", watched)
+        store = await opened(tmp_path)
+        other = await asyncpg.connect(pg_database(tmp_path))
+        watcher = await asyncpg.connect(pg_database(tmp_path))
+        try:
+            await other.execute("BEGIN")
+            await other.execute("INSERT INTO fences (resource, accepted) VALUES ('new/1', 9)")
+            admitting = asyncio.create_task(store.admit(call(1, resource="new/1")))
+            for _ in range(500):
+                if await watcher.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                ):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the admission never waited for the other's row")
+            await other.execute("COMMIT")
+            refused = await asyncio.wait_for(admitting, 10)
+            assert isinstance(refused, Refused) and refused.code == "stale_fence"
+            assert raised == ["FG001"]
+            row = await watcher.fetchrow("SELECT * FROM fences WHERE resource = 'new/1'")
+            assert (row["issued"], row["accepted"], row["turns"]) == (0, 9, 0)
+            statuses = await watcher.fetch("SELECT status FROM receipts")
+            assert [r["status"] for r in statuses] == ["rejected"]
+        finally:
+            await watcher.close()
+            await other.close()
+            await store.close()
+
     async def test_concurrent_fresh_calls_with_one_key_admit_once(self, tmp_path: Path) -> None:
         store = await opened(tmp_path)
         try:

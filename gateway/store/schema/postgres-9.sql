@@ -12,11 +12,43 @@
 --
 -- It takes the lock the full admission takes first, the resource's `fences` row, and every
 -- statement after it sees what was committed before it began (a VOLATILE plpgsql function
--- under READ COMMITTED takes a fresh snapshot for each statement): everything is read after
--- the lock, as the full admission reads it. The fence advances, the key is claimed and the
--- receipt is written in the same statement, so in the same commit. The receipt's id is made
--- by the gateway before the statement waits for the lock; it is used only if it still sorts
--- after every receipt of the resource this instance made.
+-- under READ COMMITTED takes a fresh snapshot for each statement): what it admits on is read
+-- after the lock, as the full admission reads it. It looks once before the lock too, so that
+-- a call it leaves to the full admission (a stale token, a replay, a key in use) is left
+-- without taking the lock, a write whose commit would wait for the disk. The fence advances,
+-- the key is claimed and the receipt is written in the same statement, so in the same
+-- commit. The receipt's id is made by the gateway before the statement waits for the lock; it
+-- is used only if it still sorts after every receipt of the resource this instance made.
+
+-- Whether `admit_fresh` leaves the call to the full admission, on what is committed when it
+-- is asked: `p_accepted` and `p_lifted` are the resource's fences row's (0 without one).
+-- plpgsql, so that its plan is kept for the connection (a SQL function is planned anew on
+-- every call from plpgsql).
+CREATE FUNCTION admit_fresh_declines(
+    p_resource text,
+    p_fence bigint,
+    p_key text,
+    p_id text,
+    p_instance text,
+    p_accepted bigint,
+    p_lifted bigint
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN p_fence < p_accepted
+        OR EXISTS (SELECT 1 FROM fence_floor WHERE id = 1 AND epoch > p_lifted)  -- a hold?
+        OR EXISTS (SELECT 1 FROM fence_raises WHERE at_least > p_fence)
+        OR EXISTS (SELECT 1 FROM idempotency_keys WHERE resource = p_resource AND key = p_key)
+        OR EXISTS (SELECT 1 FROM receipts WHERE resource = p_resource
+                   AND idempotency_key = p_key AND status <> 'rejected')
+        -- A receipt this instance made after the id was (a call that took the lock first):
+        -- the full admission makes a new id under the lock, so ids keep the order receipts
+        -- were created in (docs/contract.md §7).
+        OR EXISTS (SELECT 1 FROM receipts WHERE resource = p_resource AND id > p_id
+                   AND instance = p_instance);
+END
+$$;
+
 CREATE FUNCTION admit_fresh(
     p_resource text,
     p_id text,
@@ -41,24 +73,20 @@ DECLARE
     made boolean := false;
     now_s double precision;
 BEGIN
+    SELECT * INTO locked FROM fences WHERE resource = p_resource;
+    IF admit_fresh_declines(p_resource, p_fence, p_key, p_id, p_instance,
+                            coalesce(locked.accepted, 0), coalesce(locked.lifted, 0)) THEN
+        RETURN;  -- nothing locked, nothing written
+    END IF;
     SELECT * INTO locked FROM fences WHERE resource = p_resource FOR UPDATE;
     IF NOT FOUND THEN  -- a resource never seen: its row is made, and locked, as the full path does
         INSERT INTO fences (resource) VALUES (p_resource) ON CONFLICT (resource)
             DO UPDATE SET issued = fences.issued RETURNING * INTO locked;
         made := true;
     END IF;
-    IF p_fence < locked.accepted
-        OR EXISTS (SELECT 1 FROM fence_floor WHERE id = 1 AND epoch > locked.lifted)
-        OR EXISTS (SELECT 1 FROM fence_raises WHERE at_least > p_fence)
-        OR EXISTS (SELECT 1 FROM idempotency_keys WHERE resource = p_resource AND key = p_key)
-        OR EXISTS (SELECT 1 FROM receipts WHERE resource = p_resource
-                   AND idempotency_key = p_key AND status <> 'rejected')
-        -- A receipt this instance made after the id was (a call that took the lock first):
-        -- the full admission makes a new id under the lock, so ids keep the order receipts
-        -- were created in (docs/contract.md §7).
-        OR EXISTS (SELECT 1 FROM receipts WHERE resource = p_resource AND id > p_id
-                   AND instance = p_instance)
-    THEN
+    -- Again under the lock: what changed since the look before decides.
+    IF admit_fresh_declines(p_resource, p_fence, p_key, p_id, p_instance,
+                            locked.accepted, locked.lifted) THEN
         IF made THEN  -- not even the fences row stays: the statement is undone
             RAISE EXCEPTION 'admit_fresh declined' USING ERRCODE = 'FG001';
         END IF;
