@@ -3,8 +3,8 @@
 -- `admit_fresh` admits a call under an external issuer's token with an idempotency key that
 -- nothing holds yet, in the one state where the fence check and the key table say "admit, as
 -- attempt 1" without reading more: the token at or above the resource's highest accepted
--- fence and above no raise (§18), the resource not on hold after a restore, no key record and
--- no earlier attempt with the key. The gateway asks `gateway.core.fences.check` and
+-- fence and no raise above it (§18), the resource not on hold after a restore, no key record
+-- and no earlier attempt with the key. The gateway asks `gateway.core.fences.check` and
 -- `gateway.core.idempotency.decide` first what they answer in that state (the owner the
 -- receipt records, the attempt) and passes it in. In any other state the function writes
 -- nothing and returns no row, and the gateway runs the full admission, which reads everything
