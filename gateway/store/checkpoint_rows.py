@@ -29,10 +29,10 @@ CHECKPOINT_COLUMNS = (
 CHECKPOINT_SELECT = ", ".join(CHECKPOINT_COLUMNS)
 
 # Receipt ids begin with the millisecond they were made in, by the clock of the process that
-# made them: on PostgreSQL a rejection's id is the replica's clock while its `created_at` is
-# the database's. Receipts made after a checkpoint are looked for from this long before it,
-# so the (resource, id) index bounds the scan and a replica's clock that is behind by less
-# than this still counts its receipts.
+# made them: on PostgreSQL the id of a rejection, and of a call admitted in one statement, is
+# the replica's clock while its `created_at` is the database's. Receipts made after a
+# checkpoint are looked for from this long before it, so the (resource, id) index bounds the
+# scan and a replica's clock that is behind by less than this still counts its receipts.
 ID_MARGIN_S = 60.0
 
 
@@ -87,8 +87,10 @@ def since(checkpoint: Checkpoint | None) -> tuple[str, str, float]:
 
     A receipt is made since the checkpoint when its id sorts after the checkpoint's mark (the
     store makes both from one sequence: exact within one process, even when the clock steps
-    back) or it was created after the checkpoint by the store's clock (which orders the
-    receipts of other replicas, whose ids made within the same millisecond sort by chance).
+    back, for ids made under the resource's lock) or it was created after the checkpoint by
+    the store's clock (which orders the receipts of other replicas, whose ids made within the
+    same millisecond sort by chance, and those of a PostgreSQL admission in one statement,
+    whose id is made before it waits for the lock).
     Either way a receipt that may be later is shown: a call shown once too often is checked
     once more, one left out would be redone blindly."""
     if checkpoint is None:

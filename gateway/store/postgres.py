@@ -6,10 +6,14 @@ row, so one statement locks, reads the fences and takes the database's time); th
 statement (READ COMMITTED: a fresh snapshot, taken after the lock), it reads the lease and key
 rows, asks the plain functions of `gateway.core`, and writes what they decide. Every writer of
 a resource's fences, lease, keys and owed cleanup holds that row lock, so under it the
-read-decide-write is atomic across replicas. Steps about one receipt lock the receipt's row
-(`FOR UPDATE`) or are one conditional statement. Times that decide expiry are the database's
-(`clock_timestamp()`), kept as epoch seconds like on SQLite, so rows convert alike
-(`gateway.store.rows`).
+read-decide-write is atomic across replicas. An admission under an external issuer's token
+with a key nothing holds yet is all of that in one statement: a plpgsql function
+(`admit_fresh`) that takes the same lock first, whose later statements each take a fresh
+snapshot too, and that admits only in a state where the plain functions are known to admit
+(writing nothing anywhere else, where the full transaction decides). Steps about one receipt
+lock the receipt's row (`FOR UPDATE`) or are one conditional statement. Times that decide
+expiry are the database's (`clock_timestamp()`), kept as epoch seconds like on SQLite, so
+rows convert alike (`gateway.store.rows`).
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -203,6 +207,15 @@ _ADMIT = (
     "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
 )
+# The same admission in one statement, for the state `admit_fresh` (schema version 9) is sure
+# of: a row when it admitted, none when it wrote nothing. $1 to $10 as `_ADMIT`'s, then the
+# attempt, the instance, the key's retention, 1 when serial, the MCP record, the trace.
+_ADMIT_FRESH = (
+    "SELECT taken_turn, ahead FROM admit_fresh($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+    "$12, $13, $14, $15, $16)"
+)
+# What `admit_fresh` raises to undo the fences row it made for a resource it did not admit.
+_FRESH_DECLINED = "FG001"
 # A session's admission (docs/contract.md §15): the fence advanced and the `pending` receipt
 # written, no key, no serial turn (an open session must not hold the resource's turns).
 _ADMIT_SESSION = (
@@ -510,13 +523,24 @@ class PostgresStore:
     # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
-        """BEGIN, lock, read, write, COMMIT: five round trips (asyncpg pipelines none of
-        them: each waits for the one before).
+        """One round trip when the call is one `admit_fresh` can admit (`_fresh_decision`) and
+        it does; otherwise BEGIN, lock, read, write, COMMIT: five (asyncpg pipelines none of
+        them: each waits for the one before), after the one `admit_fresh` took if it was
+        asked. Both take the resource's lock first, so admissions of one resource serialize
+        alike whichever path each takes.
 
         Under `GATEWAY_REPLICATION=sync` an admission whose commit did not wait for the
         synchronous standby is `StoreUnavailable` (nothing is forwarded), and a `pending`
         receipt it wrote all the same is completed `not_sent` later (docs/contract.md §19)."""
         self._refuse_unreplicated()
+        fresh = self._fresh_decision(call)
+        if fresh is not None:
+            owner, attempt = fresh
+            admitted = await self._run(
+                lambda conn: self._admit_fresh(conn, call, owner, attempt), writes=True
+            )
+            if admitted is not None:
+                return admitted
         try:
             return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
         except pg_sync.NotReplicated as exc:
@@ -535,6 +559,82 @@ class PostgresStore:
             self._link.note(problem)
         if problem is not None:
             raise StoreUnavailable(f"synchronous replication is not in place: {problem}")
+
+    def _fresh_decision(self, call: Call) -> tuple[str | None, int] | None:
+        """What `fences.check` and `idempotency.decide` answer `call` in the state
+        `admit_fresh` admits in (the owner its receipt records, the attempt), or None when
+        the call is not one to ask it about.
+
+        Only under strict durability with async replication: `relaxed` turns
+        `synchronous_commit` off for the admission's transaction, and `sync` watches the
+        admission's COMMIT (`self._link.commit`), so both keep the transaction. A
+        gateway-issued lease is read and checked, and a session takes no key: the full path.
+        """
+        if self._relaxed or self._link.sync or call.issuer != "external":
+            return None
+        if call.idempotency_key is None or call.fingerprint is None:
+            return None
+        # admit_fresh's state: the highest accepted fence and every raise at most the token,
+        # no hold (docs/contract.md §18), no key record and no earlier attempt with the key.
+        code, owner = fences.check(
+            call.issuer,
+            call.fence,
+            0,  # not looked at for an external issuer
+            call.fence,
+            None,
+            call.owner,
+            call.client,
+            call.clients_configured,
+            fences.Bound(below=call.fence),
+        )
+        decision = idempotency.decide(None, call.fingerprint, call.retry_statuses)
+        if code is not None or not isinstance(decision, idempotency.NewAttempt):
+            return None
+        return owner, decision.attempt
+
+    async def _admit_fresh(
+        self, conn: Any, call: Call, owner: str | None, attempt: int
+    ) -> Admitted | None:
+        """Steps 4 to 6 in one statement (`admit_fresh`): the `pending` receipt when the
+        resource's state was the one `_fresh_decision` answered for; None, with nothing
+        written, when it was not, when this instance made a receipt of the resource after
+        the id made here (an admission that took the lock first: a new id under the lock
+        keeps ids in creation order, docs/contract.md §7), or when the statement lost a
+        deadlock (the full path then decides, and retries)."""
+        # The replica's clock, not the database's, which is read under the lock:
+        # `checkpoint_rows.since` allows for the difference.
+        receipt_id = self._new_id()
+        try:
+            row = await conn.fetchrow(
+                _ADMIT_FRESH,
+                call.resource,
+                receipt_id,
+                call.fence,
+                owner,
+                call.client,
+                call.upstream,
+                call.method,
+                call.path,
+                call.idempotency_key,
+                call.fingerprint,
+                attempt,
+                instance := self.instance,
+                call.retention_s,
+                1 if call.serial else 0,
+                mcp_json(call.mcp),
+                call.trace_id,
+            )
+        except asyncpg.DeadlockDetectedError:
+            return None
+        except asyncpg.PostgresError as exc:
+            if getattr(exc, "sqlstate", None) == _FRESH_DECLINED:
+                return None
+            raise
+        if row is None:
+            return None
+        return Admitted(
+            receipt_id, attempt, owner, instance, ahead=row["ahead"], turn=row["taken_turn"]
+        )
 
     async def _admit(self, conn: Any, call: Call) -> Admitted | Replayed | Refused:
         locked = await conn.fetchrow(_LOCK_FENCES, call.resource)

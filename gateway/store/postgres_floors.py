@@ -2,7 +2,8 @@
 `PostgresStore`'s transactions. The decisions are `gateway.core.floors'`.
 
 Every step that decides about one resource reads the floors in the statement that locks the
-resource's `fences` row (`FLOORS_RETURNING`), so admission still takes one round trip for it.
+resource's `fences` row (`FLOORS_RETURNING`; `admit_fresh`, schema version 9, in its own
+statements after the lock), so they cost admission no round trip of their own.
 A glob raise locks each known resource it covers; a restore locks the whole `fences` table, so
 no admission on any replica straddles it.
 """
