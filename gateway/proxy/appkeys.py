@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gateway.proxy.sessions import OpenSessions
     from gateway.proxy.traces import Tracing
     from gateway.proxy.upstream import Upstreams
+    from gateway.server.overload import Slot
     from gateway.store import Store
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
@@ -42,3 +43,5 @@ FLOW: web.RequestKey[Flow] = web.RequestKey("flow")
 # A POST to an MCP upstream is answered in JSON-RPC (docs/contract.md §16): the request's
 # JSON-RPC id once read, for the error answers; absent until then (an error answers id null).
 JSONRPC_ID: web.RequestKey[str | int | None] = web.RequestKey("jsonrpc_id")
+# A call GATEWAY_MAX_INFLIGHT counts: its place, for a stream to give back early (§11).
+SLOT: web.RequestKey[Slot] = web.RequestKey("inflight_slot")

@@ -117,13 +117,17 @@ async def _unfenced(
         app[appkeys.SETTINGS].trusted_networks,
     )
     framed = request.content_length is not None or "Transfer-Encoding" in request.headers
-    deadline = asyncio.get_running_loop().time() + upstream.timeout_s
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    deadline = sent_at + upstream.timeout_s
     try:
         answer = await app[appkeys.UPSTREAMS].send(
             upstream, request.method, flow.rest, sent, body if framed or body else None, deadline
         )
     except UpstreamFailure as failure:
         raise failure.error from None
+    finally:
+        flow.upstream_s = loop.time() - sent_at
     async with answer:
         flow.status = answer.status
         response = _relayed(answer, {headers.REQUEST_ID_HEADER: flow.request_id})
@@ -131,6 +135,11 @@ async def _unfenced(
             await response.prepare(request)
         except ConnectionError:
             return response
+        # From here on the answer goes at the tool's pace, as long as both sides keep it
+        # open: GATEWAY_MAX_INFLIGHT no longer counts it (gateway.server.overload.Slot).
+        slot = request.get(appkeys.SLOT)
+        if slot is not None:
+            slot.release(flow.upstream_s, loop.time())
         await _relay_rest(request, response, answer, b"")
     return response
 

@@ -56,7 +56,7 @@ from gateway.proxy.headers import (
     REQUEST_ID_HEADER,
 )
 from gateway.server.middleware import problem_response
-from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer
+from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer, Slot
 
 # Headers never passed on as the client sent them: the gateway reads, replaces or drops them
 # (GATEWAY_OWNED holds the fencing headers).
@@ -253,14 +253,15 @@ class _GatewayRequestHandler(RequestHandler):
             if request.content.is_eof() and answered[0].keep_alive and not answered[1]:
                 self._pause_after_shed()
             return answered
+        slot = None
+        if verdict is not None:  # a counted call
+            slot = request[appkeys.SLOT] = Slot(self.inflight, verdict)
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
-            if verdict is not None:  # a counted call, now answered
+            if slot is not None:  # now answered, unless its slot was given back before
                 flow = request.get(appkeys.FLOW)
-                now = self._loop.time()
-                upstream_s = flow.upstream_s if flow is not None else 0.0
-                self.inflight.done(now - verdict - upstream_s, now)
+                slot.release(flow.upstream_s if flow is not None else 0.0, self._loop.time())
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()

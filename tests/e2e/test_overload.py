@@ -132,6 +132,36 @@ async def test_an_mcp_client_is_shed_in_json_rpc(
     assert [r.path for r in upstream.received()] == ["/api/mcp"]
 
 
+@contextlib.asynccontextmanager
+async def mcp_tool_with_a_stream(release: asyncio.Event) -> AsyncIterator[str]:
+    """An MCP server whose GET stream (the 2025 revisions' server-to-client stream) stays open
+    until `release` is set, and whose POSTs are answered at once; its base URL."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b": open\n\n")
+        await release.wait()
+        await response.write_eof()
+        return response
+
+    async def post(request: web.Request) -> web.Response:
+        return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {"tools": []}})
+
+    tool = web.Application()
+    tool.router.add_get("/api/mcp", stream)
+    tool.router.add_post("/api/mcp", post)
+    runner = web.AppRunner(tool)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/api"
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
 # --------------------------------------------------------------------------------------------
 # Shedding in the HTTP server itself: the gateway in process, served by `GatewayRunner` as
 # `fence-gateway serve` serves it, so that the requests aiohttp builds can be counted.
@@ -315,6 +345,34 @@ async def test_a_shed_call_answered_in_its_turn_leaves_its_connection_unread_too
         assert [r.path_qs for r in upstream.received()][1:] == ["/api/three"]
         writer.close()
         assert gateway.app[overload.LIMIT].in_flight == 0
+
+
+async def test_an_open_mcp_stream_is_counted_only_until_its_head_is_written(
+    tmp_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """An unfenced MCP stream stays open as long as its client listens: counted for its whole
+    life, streams held open by idle clients would fill GATEWAY_MAX_INFLIGHT and every call
+    would be shed. It gives its place back once its head is written."""
+    release = asyncio.Event()
+    async with mcp_tool_with_a_stream(release) as tool_url:
+        policy = make_policy(tool_url, [{"match": "mail/*", "tools": ["send_*"]}], mcp=True)
+        async with served(tmp_path, policy, "1") as gateway:
+            limit = gateway.app[overload.LIMIT]
+            async with session.get(f"{gateway.url}/tool/mcp") as streaming:
+                assert streaming.status == 200
+                assert await streaming.content.readline() == b": open\n"
+                assert limit.in_flight == 0  # the stream is open, and holds no place
+                listing = await call(
+                    session,
+                    "POST",
+                    f"{gateway.url}/tool/mcp",
+                    headers={"Content-Type": "application/json"},
+                    data=b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}',
+                )
+                assert listing.status == 200  # not shed
+                release.set()
+                assert await streaming.read() == b"\n"  # the rest of the event, then the end
+            assert limit.in_flight == 0
 
 
 async def test_a_shed_call_that_asked_to_close_is_answered_and_closed(
