@@ -160,8 +160,9 @@ class _GatewayRequestHandler(RequestHandler):
         super().data_received(data)
         if self._request_count > heads:
             self._cancel_head_timer()  # a whole head arrived
-        elif self._current_request is None and not self._messages:
-            self._start_head_timer()  # bytes of a new head: it has a deadline
+        elif data and self._current_request is None and not self._messages:
+            self._start_head_timer()  # bytes of a new head: it has a deadline (aiohttp
+            # feeds b"" to reparse what its parser holds, which is not a new head)
 
     def _take(self, messages: Sequence[_MsgType], upgraded: bool) -> list[_MsgType]:
         """The requests just parsed, as aiohttp is to queue them: those the module's docstring
@@ -214,7 +215,10 @@ class _GatewayRequestHandler(RequestHandler):
         )
 
     def _answer_now(self, answer: ShedAnswer, message: RawRequestMessage) -> None:
-        assert self.transport is not None
+        assert self.transport is not None and self._parser is not None
+        # Taken, as far as the parser knows: it hands over no more requests while 32 it
+        # handed over are not, and this one never reaches aiohttp's queue.
+        self._parser.message_consumed()
         close = message.should_close
         self.transport.write(_wire(answer, close=close, to_head=message.method == "HEAD"))
         self._request_count += 1  # a request handled: its head timer is done
@@ -237,7 +241,9 @@ class _GatewayRequestHandler(RequestHandler):
 
     def _resume_after_shed(self) -> None:
         self._shed_pause = None
-        self._resume_reading_for_buffer()
+        # as aiohttp resumes once its queue has drained: the requests its parser holds are
+        # parsed first, and reading stays paused while its queue is still full
+        self._resume_reading_if_drained()
 
     async def _handle_request(
         self,

@@ -14,11 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
+from aiohttp import web, web_protocol
+from aiohttp.http_parser import HttpRequestParserPy
 
 from gateway.config.policy_files import load_policies
 from gateway.config.settings import Settings
-from gateway.server import overload
+from gateway.server import http_server, overload
 from gateway.server.app import create_app
 from gateway.server.http_server import GatewayRunner
 from tests.harness import (
@@ -373,6 +374,37 @@ async def test_an_open_mcp_stream_is_counted_only_until_its_head_is_written(
                 release.set()
                 assert await streaming.read() == b"\n"  # the rest of the event, then the end
             assert limit.in_flight == 0
+
+
+@pytest.mark.parametrize("parser", ["c", "python"])
+async def test_a_connection_shed_again_and_again_is_still_parsed(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    session: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    parser: str,
+) -> None:
+    """aiohttp's parser stops handing over requests while 32 it handed over are not yet taken:
+    each call answered from its head must count as taken, or a client that keeps its
+    connection through half a minute of overload has its next calls never read."""
+    if parser == "python":
+        monkeypatch.setattr(web_protocol, "HttpRequestParser", HttpRequestParserPy)
+    monkeypatch.setattr(http_server, "RETRY_AFTER_S", 0.01)  # the pause, not the header
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        gate, held = await hold_one_call(session, gateway, upstream)
+        made = gateway.requests_made[0]
+        reader, writer = await gateway.connect()
+        for n in range(40):
+            writer.write(fenced_post("/tool/act", b'{"n": %d}' % n))
+            assert (await read_answer(reader))[0] == 503
+            await asyncio.sleep(0.02)  # past the pause: the next is answered from its head too
+        assert gateway.requests_made[0] == made
+        gate.set()
+        assert (await held).status == 200
+        healthz = b"GET /_gateway/healthz HTTP/1.1\r\nHost: gateway\r\n\r\n"
+        writer.write(fenced_post("/tool/after", b"{}") + healthz * 2)
+        assert [(await read_answer(reader))[0] for _ in range(3)] == [200, 200, 200]
+        writer.close()
 
 
 async def test_a_shed_call_that_asked_to_close_is_answered_and_closed(
