@@ -348,9 +348,11 @@ class PostgresStore:
             pool_size=(pool_min, pool_max),
             command_timeout_s=COMMAND_TIMEOUT_S,
         )
-        # Receipts admitted by a commit that did not wait for the synchronous standby: never
-        # forwarded, they are completed `not_sent` once the store takes writes again (§19).
-        self._unreplicated: set[str] = set()
+        # Receipts that may have been admitted by a commit the gateway took for failed (one
+        # that did not wait for the synchronous standby, §19; an `admit_fresh` whose connection
+        # was lost): never forwarded, they are completed `not_sent`, with the error each is
+        # kept with, at the next heartbeat that reaches a store taking writes.
+        self._unsent: dict[str, str] = {}
 
     @property
     def replication_problem(self) -> str | None:
@@ -531,21 +533,32 @@ class PostgresStore:
 
         Under `GATEWAY_REPLICATION=sync` an admission whose commit did not wait for the
         synchronous standby is `StoreUnavailable` (nothing is forwarded), and a `pending`
-        receipt it wrote all the same is completed `not_sent` later (docs/contract.md §19)."""
+        receipt it wrote all the same is completed `not_sent` later (docs/contract.md §19).
+        So is one `admit_fresh` may have committed on a connection lost before its answer:
+        a statement commits whole, lock wait included, whether or not anyone hears it."""
         self._refuse_unreplicated()
         fresh = self._fresh_decision(call)
         if fresh is not None:
             owner, attempt = fresh
-            admitted = await self._run(
-                lambda conn: self._admit_fresh(conn, call, owner, attempt), writes=True
-            )
+            # The replica's clock, not the database's, which is read under the lock:
+            # `checkpoint_rows.since` allows for the difference.
+            receipt_id = self._new_id()
+            try:
+                admitted = await self._run(
+                    lambda conn: self._admit_fresh(conn, call, receipt_id, owner, attempt),
+                    writes=True,
+                )
+            except StoreUnavailable as exc:
+                if isinstance(exc.__cause__, _LOST_CONNECTION):
+                    self._unsent[receipt_id] = "store_unavailable"
+                raise
             if admitted is not None:
                 return admitted
         try:
             return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
         except pg_sync.NotReplicated as exc:
             if isinstance(exc.result, Admitted):
-                self._unreplicated.add(exc.result.receipt_id)
+                self._unsent[exc.result.receipt_id] = pg_sync.REPLICATION_WAIT
             raise
 
     def _refuse_unreplicated(self, locked: Any = None) -> None:
@@ -593,7 +606,7 @@ class PostgresStore:
         return owner, decision.attempt
 
     async def _admit_fresh(
-        self, conn: Any, call: Call, owner: str | None, attempt: int
+        self, conn: Any, call: Call, receipt_id: str, owner: str | None, attempt: int
     ) -> Admitted | None:
         """Steps 4 to 6 in one statement (`admit_fresh`): the `pending` receipt when the
         resource's state was the one `_fresh_decision` answered for; None, with nothing
@@ -601,9 +614,6 @@ class PostgresStore:
         the id made here (an admission that took the lock first: a new id under the lock
         keeps ids in creation order, docs/contract.md §7), or when the statement lost a
         deadlock (the full path then decides, and retries)."""
-        # The replica's clock, not the database's, which is read under the lock:
-        # `checkpoint_rows.since` allows for the difference.
-        receipt_id = self._new_id()
         try:
             row = await conn.fetchrow(
                 _ADMIT_FRESH,
@@ -1398,14 +1408,14 @@ class PostgresStore:
             if self._link.sync:
                 self._link.note(pg_sync.problem_of(renewed))
                 self._refuse_unreplicated()
-                await self._settle_unreplicated()
+            await self._settle_unsent()
 
-    async def _settle_unreplicated(self) -> None:
-        """Complete `not_sent` the receipts admitted by commits that did not wait for the
-        standby: their calls were never forwarded."""
-        for receipt_id in sorted(self._unreplicated):
-            await self.complete(receipt_id, Outcome("not_sent", error=pg_sync.REPLICATION_WAIT))
-            self._unreplicated.discard(receipt_id)
+    async def _settle_unsent(self) -> None:
+        """Complete `not_sent` the receipts of `_unsent` still `pending`: their calls were
+        never forwarded (one whose admission never committed is not there to complete)."""
+        for receipt_id, error in sorted(self._unsent.items()):
+            await self.complete(receipt_id, Outcome("not_sent", error=error))
+            del self._unsent[receipt_id]
 
     async def expire_pending(
         self, waits: ReconcileWaits, silent_after_s: float, in_flight: frozenset[str]

@@ -231,7 +231,8 @@ def fast_only(store: PostgresStore, probe: Call) -> Callable[[Any], Any] | None:
     fresh = store._fresh_decision(probe)
     if fresh is None:
         return None
-    return lambda conn: store._admit_fresh(conn, probe, *fresh)
+    receipt_id = store._new_id()
+    return lambda conn: store._admit_fresh(conn, probe, receipt_id, *fresh)
 
 
 async def both_paths(store: PostgresStore, conn: Any, state: State, probe: Call) -> None:
@@ -484,3 +485,91 @@ def test_relaxed_and_sync_keep_the_transaction(tmp_path: Path) -> None:
     assert relaxed._fresh_decision(probe) is None
     assert sync._fresh_decision(probe) is None
     assert strict._fresh_decision(probe) == (None, 1)  # no owner presented; attempt 1
+
+
+class _CuttableProxy:
+    """A TCP relay to PostgreSQL whose client sides can be cut while the server sides stay
+    open: the database goes on with what it was sent, and its answers fall on the floor."""
+
+    def __init__(self) -> None:
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 5432)
+        self._writers.append(writer)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                if not sink.is_closing():
+                    sink.write(data)
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer),
+                             return_exceptions=True)  # fmt: skip
+        up_writer.close()
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(tmp_path: Path) -> None:
+    """`admit_fresh` commits whole once sent, lock wait included, whether or not its answer
+    arrives: an admission whose connection was lost under it is refused (nothing forwarded),
+    and a `pending` receipt it may have written is completed `not_sent` at the next heartbeat,
+    so the key is free for the retry."""
+    from gateway.core.errors import StoreUnavailable
+
+    url = pg_database(tmp_path)
+    proxy = _CuttableProxy()
+    await proxy.start()
+    store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
+    await store.open()
+    direct = await asyncpg.connect(url)
+    try:
+        assert isinstance(await store.admit(call(1, key="first")), Admitted)
+        locker = await asyncpg.connect(url)
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("SELECT 1 FROM fences WHERE resource = $1 FOR UPDATE", RESOURCE)
+        admitting = asyncio.create_task(store.admit(call(2, key="second")))
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        for _ in range(200):
+            if await direct.fetchval(waiting):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the admission never waited for the lock")
+        proxy.cut()
+        with pytest.raises(StoreUnavailable):
+            await admitting
+        await tx.commit()  # the waiting statement goes on, and commits unheard
+        await locker.close()
+        for _ in range(200):
+            if await direct.fetchval(
+                "SELECT status FROM receipts WHERE idempotency_key = 'second'"
+            ):
+                break
+            await asyncio.sleep(0.02)
+        await store.heartbeat()
+        row = await direct.fetchrow(
+            "SELECT status, error FROM receipts WHERE idempotency_key = 'second'"
+        )
+        assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
+        retried = await store.admit(call(2, key="second"))
+        assert isinstance(retried, Admitted) and retried.attempt == 2
+    finally:
+        await direct.close()
+        await proxy.close()
+        await store.close()
