@@ -306,6 +306,37 @@ def _database_errors() -> tuple[type[BaseException], ...]:
     return (asyncpg.PostgresError, NoWritableHost, *_LOST_CONNECTION)
 
 
+def _admission_args(
+    call: Call,
+    receipt_id: str,
+    owner: str | None,
+    attempt: int,
+    instance: str,
+    now: float | None = None,
+) -> tuple[Any, ...]:
+    """The parameters of an admission's write (`_ADMIT`, `_ADMIT_FRESH`); `now`, the
+    database's time read under the lock, is `_ADMIT`'s only (`admit_fresh` reads its own)."""
+    return (
+        call.resource,
+        receipt_id,
+        call.fence,
+        owner,
+        call.client,
+        call.upstream,
+        call.method,
+        call.path,
+        call.idempotency_key,
+        call.fingerprint,
+        attempt,
+        *(() if now is None else (now,)),
+        instance,
+        call.retention_s,
+        1 if call.serial else 0,
+        mcp_json(call.mcp),
+        call.trace_id,
+    )
+
+
 class PostgresStore:
     shared = True  # any number of replicas admit calls on one database
 
@@ -617,22 +648,7 @@ class PostgresStore:
         try:
             row = await conn.fetchrow(
                 _ADMIT_FRESH,
-                call.resource,
-                receipt_id,
-                call.fence,
-                owner,
-                call.client,
-                call.upstream,
-                call.method,
-                call.path,
-                call.idempotency_key,
-                call.fingerprint,
-                attempt,
-                instance := self.instance,
-                call.retention_s,
-                1 if call.serial else 0,
-                mcp_json(call.mcp),
-                call.trace_id,
+                *_admission_args(call, receipt_id, owner, attempt, instance := self.instance),
             )
         except asyncpg.DeadlockDetectedError:
             return None
@@ -699,25 +715,9 @@ class PostgresStore:
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
         receipt_id = self._new_id(now)
+        instance = self.instance
         admitted = await conn.fetchrow(
-            _ADMIT,
-            call.resource,
-            receipt_id,
-            call.fence,
-            owner,
-            call.client,
-            call.upstream,
-            call.method,
-            call.path,
-            call.idempotency_key,
-            call.fingerprint,
-            decision.attempt,
-            now,
-            instance := self.instance,
-            call.retention_s,
-            1 if call.serial else 0,
-            mcp_json(call.mcp),
-            call.trace_id,
+            _ADMIT, *_admission_args(call, receipt_id, owner, decision.attempt, instance, now)
         )
         return Admitted(
             receipt_id,
