@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from gateway.proxy.flow import Flow
     from gateway.proxy.ordering import Lanes
     from gateway.proxy.sessions import OpenSessions
+    from gateway.proxy.slot import Slot
     from gateway.proxy.traces import Tracing
     from gateway.proxy.upstream import Upstreams
-    from gateway.server.overload import Slot
     from gateway.store import Store
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")

@@ -136,7 +136,7 @@ async def _unfenced(
         except ConnectionError:
             return response
         # From here on the answer goes at the tool's pace, as long as both sides keep it
-        # open: GATEWAY_MAX_INFLIGHT no longer counts it (gateway.server.overload.Slot).
+        # open: GATEWAY_MAX_INFLIGHT no longer counts it (gateway.proxy.slot).
         slot = request.get(appkeys.SLOT)
         if slot is not None:
             slot.release(flow.upstream_s, loop.time())

@@ -55,8 +55,9 @@ from gateway.proxy.headers import (
     IDEMPOTENCY_HEADER,
     REQUEST_ID_HEADER,
 )
+from gateway.proxy.slot import Slot
 from gateway.server.middleware import problem_response
-from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer, Slot
+from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer
 
 # Headers never passed on as the client sent them: the gateway reads, replaces or drops them
 # (GATEWAY_OWNED holds the fencing headers).
@@ -261,7 +262,7 @@ class _GatewayRequestHandler(RequestHandler):
             return answered
         slot = None
         if verdict is not None:  # a counted call
-            slot = request[appkeys.SLOT] = Slot(self.inflight, verdict)
+            slot = request[appkeys.SLOT] = Slot(self.inflight.done, verdict)
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:

@@ -12,7 +12,7 @@ fixes the limit.
 `/_gateway/` paths are never counted nor refused here. A WebSocket upgrade is refused like a
 call when the limit is reached, but an open session is not counted: it lasts as long as its
 browser, and its length says nothing about how busy the process is. Nor is an unfenced MCP
-answer once its head is written: it is the tool's stream from then on (`Slot`).
+answer once its head is written: it is the tool's stream from then on (gateway.proxy.slot).
 
 The decision is made on the parsed head alone, by the HTTP server (gateway.server.
 http_server) before aiohttp builds a request for it, and the connection of a shed call is not
@@ -166,26 +166,6 @@ class InflightLimit:
             return False
         found = self._policies.route(message.path.partition("?")[0])
         return found is not None and found[0].mcp
-
-
-class Slot:
-    """A counted call's place under the limit, given back once: when its answer is written
-    (gateway.server.http_server), or as soon as its answer's head is, for an answer that is
-    the tool's stream from then on (an unfenced MCP stream: gateway.proxy.mcp). Such a stream
-    stays open for as long as its client listens, and its length says nothing about how busy
-    the process is, any more than an open session's does."""
-
-    __slots__ = ("_limit", "_since")
-
-    def __init__(self, limit: InflightLimit, since: float) -> None:
-        self._limit: InflightLimit | None = limit
-        self._since = since  # when its head was parsed (loop time)
-
-    def release(self, upstream_s: float, now: float) -> None:
-        """The call's own time is up to `now`, less `upstream_s`, the tool's."""
-        limit, self._limit = self._limit, None
-        if limit is not None:
-            limit.done(now - self._since - upstream_s, now)
 
 
 LIMIT = web.AppKey("inflight_limit", InflightLimit)
