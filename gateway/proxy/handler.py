@@ -25,12 +25,9 @@ from gateway.proxy import appkeys, cdp, checks, headers, mcp, sessions
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.ordering import Place
-from gateway.proxy.relay import Head, read_body, read_head, stream_back, upstream_headers
+from gateway.proxy.relay import Head, framed_body, read_body, read_head, send_unfenced, stream_back
 from gateway.proxy.route import Route, route
-from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Call, Refused, Replayed
-
-_PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -61,27 +58,9 @@ async def _dispatch(request: web.Request, flow: Flow, found: Route) -> web.Strea
 
 async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
     """An unfenced call: no admission, no receipt, the fencing headers stripped."""
-    app = request.app
-    settings = app[appkeys.SETTINGS]
+    settings = request.app[appkeys.SETTINGS]
     body = await read_body(request, upstream.max_body_bytes, settings.body_timeout_s)
-    sent = upstream_headers(
-        request,
-        upstream,
-        _PLAIN_DROP,
-        {headers.REQUEST_ID_HEADER: flow.request_id},
-        settings.trusted_networks,
-    )
-    loop = asyncio.get_running_loop()
-    sent_at = loop.time()
-    deadline = sent_at + upstream.timeout_s
-    try:
-        answer = await app[appkeys.UPSTREAMS].send(
-            upstream, request.method, flow.rest, sent, _body_or_none(request, body), deadline
-        )
-    except UpstreamFailure as failure:
-        raise failure.error from None
-    finally:
-        flow.upstream_s = loop.time() - sent_at
+    answer, deadline = await send_unfenced(request, flow, upstream, body)
     discovery = cdp.is_discovery(upstream, request.method, flow.rest)
     async with answer:
         head = await read_head(answer, cdp.DISCOVERY_MAX_BYTES if discovery else 0, deadline)
@@ -106,7 +85,7 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
             return await _replay(request, flow, result)
         flow.admitted = result
         answer_headers = flow.answer_headers(result.receipt_id)
-        async with forward(app, flow, place, _body_or_none(request, body), request) as exchange:
+        async with forward(app, flow, place, framed_body(request, body), request) as exchange:
             if not exchange.recorded:
                 answer_headers["X-Receipt-Outcome"] = "unrecorded"
             if exchange.head is None:
@@ -200,9 +179,3 @@ def _make_key(
     if rule.idempotency.key == "random":
         return idempotency.random_key()
     return idempotency.derived_key(resource, method, request_target, body)
-
-
-def _body_or_none(request: web.Request, body: bytes) -> bytes | None:
-    """Send a body only when the client framed one: a bare GET stays without Content-Length."""
-    framed = request.content_length is not None or "Transfer-Encoding" in request.headers
-    return body if framed or body else None

@@ -36,15 +36,13 @@ from gateway.proxy.relay import (
     RelayedResponse,
     read_body,
     response_headers,
+    send_unfenced,
     stream_back,
-    upstream_headers,
 )
-from gateway.proxy.upstream import UpstreamFailure
 from gateway.store.base import Refused, Replayed
 from gateway.wire.answer import Answer
 from gateway.wire.errors import BrokenAnswer
 
-_PLAIN_DROP = frozenset({headers.REQUEST_ID_HEADER.lower()})
 # An MCP server answers a tool call with a 4xx only when it refused the message before running
 # the tool (an unknown or expired session, headers that disagree with the body, invalid
 # params); a tool that ran answers 200, `isError` or not. A retry after such an answer is a
@@ -108,26 +106,7 @@ async def _unfenced(
 ) -> web.StreamResponse:
     """Passed on without admission or receipt, the fencing headers stripped. `timeout_s`
     bounds the wait for the answer's head only: a stream stays open until a side closes it."""
-    app = request.app
-    sent = upstream_headers(
-        request,
-        upstream,
-        _PLAIN_DROP,
-        {headers.REQUEST_ID_HEADER: flow.request_id},
-        app[appkeys.SETTINGS].trusted_networks,
-    )
-    framed = request.content_length is not None or "Transfer-Encoding" in request.headers
-    loop = asyncio.get_running_loop()
-    sent_at = loop.time()
-    deadline = sent_at + upstream.timeout_s
-    try:
-        answer = await app[appkeys.UPSTREAMS].send(
-            upstream, request.method, flow.rest, sent, body if framed or body else None, deadline
-        )
-    except UpstreamFailure as failure:
-        raise failure.error from None
-    finally:
-        flow.upstream_s = loop.time() - sent_at
+    answer, _ = await send_unfenced(request, flow, upstream, body)
     async with answer:
         flow.status = answer.status
         response = _relayed(answer, {headers.REQUEST_ID_HEADER: flow.request_id})
@@ -139,7 +118,7 @@ async def _unfenced(
         # open: GATEWAY_MAX_INFLIGHT no longer counts it (gateway.proxy.slot).
         slot = request.get(appkeys.SLOT)
         if slot is not None:
-            slot.release(flow.upstream_s, loop.time())
+            slot.release(flow.upstream_s, asyncio.get_running_loop().time())
         await _relay_rest(request, response, answer, b"")
     return response
 

@@ -17,6 +17,8 @@ from multidict import CIMultiDict
 from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors
 from gateway.core.outcomes import Outcome, outcome_of_answer
+from gateway.proxy import appkeys
+from gateway.proxy.flow import Flow
 from gateway.proxy.headers import (
     FENCE_HEADER,
     GATEWAY_OWNED,
@@ -27,8 +29,12 @@ from gateway.proxy.headers import (
     connection_named,
     strip,
 )
+from gateway.proxy.upstream import UpstreamFailure
 from gateway.wire.answer import Answer
 from gateway.wire.errors import BrokenAnswer
+
+# Client headers never passed on for an unfenced call: the gateway sets its own request id.
+_UNFENCED_DROP = frozenset({REQUEST_ID_HEADER.lower()})
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -49,6 +55,40 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     except (aiohttp.ClientPayloadError, web.HTTPException, ConnectionError) as exc:
         raise errors.InvalidRequest(f"the request body broke off: {exc}") from None
     return b"".join(chunks)
+
+
+def framed_body(request: web.Request, body: bytes) -> bytes | None:
+    """Send a body only when the client framed one: a bare GET stays without Content-Length."""
+    framed = request.content_length is not None or "Transfer-Encoding" in request.headers
+    return body if framed or body else None
+
+
+async def send_unfenced(
+    request: web.Request, flow: Flow, upstream: Upstream, body: bytes
+) -> tuple[Answer, float]:
+    """Send a call that takes no admission and leaves no receipt once, the fencing headers
+    stripped: its answer with the head read, and the deadline (loop time) `timeout_s` gives
+    it. The tool's time to that head is `flow.upstream_s`, not the gateway's."""
+    app = request.app
+    sent = upstream_headers(
+        request,
+        upstream,
+        _UNFENCED_DROP,
+        {REQUEST_ID_HEADER: flow.request_id},
+        app[appkeys.SETTINGS].trusted_networks,
+    )
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    deadline = sent_at + upstream.timeout_s
+    try:
+        answer = await app[appkeys.UPSTREAMS].send(
+            upstream, request.method, flow.rest, sent, framed_body(request, body), deadline
+        )
+    except UpstreamFailure as failure:
+        raise failure.error from None
+    finally:
+        flow.upstream_s = loop.time() - sent_at
+    return answer, deadline
 
 
 def admitted_headers(
