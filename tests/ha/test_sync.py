@@ -219,6 +219,9 @@ class TestFailoverUnderLoad:
             await asyncio.to_thread(sync_cluster.wait_streaming, 2)
             await asyncio.sleep(2)
             switchover_s = longest_gap(load, began)
+            # synchronous_mode_strict promotes only the standby Patroni has named synchronous:
+            # a kill before the new primary named one would leave the cluster without a leader
+            await asyncio.to_thread(sync_cluster.sync_standby)
             killed = await asyncio.to_thread(sync_cluster.kill_primary)
             began = time.monotonic()  # once its processes are gone
             await asyncio.to_thread(sync_cluster.wait_primary, 60.0, killed)
