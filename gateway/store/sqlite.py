@@ -80,6 +80,16 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
+# The sqlite3 module binds an int, float or str parameter as it is, but looks every other one
+# (None, bytes) up as a value to adapt first, and that lookup fails by raising and clearing
+# an AttributeError, with its message formatted: about 4,000 instructions a parameter, and an
+# admission binds several None (owner, client, mcp, trace_id) and an outcome a body. A
+# registered adapter is found by the first step of that lookup. Each gives the value back as
+# it was, so what is bound, and stored, is the same: NULL for None, a BLOB for bytes.
+_NOTHING: dict[None, None] = {}  # its `get`: a C function that answers None for None
+sqlite3.register_adapter(type(None), _NOTHING.get)
+sqlite3.register_adapter(bytes, bytes)  # bytes(b) is b itself
+
 # Retention deletes in small batches, each its own write, so admissions queued behind one
 # wait for a few hundred rows at most; a sweep deletes PRUNE_BATCH * PRUNE_BATCHES rows at
 # most, and a backlog drains over sweeps.
