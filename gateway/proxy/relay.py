@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
+from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 
 from gateway.config.policy import ResourceRule, Upstream
@@ -42,18 +43,31 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     declared = request.content_length
     if declared is not None and declared > limit:
         raise errors.BodyTooLarge(f"the body of {declared} bytes is over the limit of {limit}")
-    chunks, size = [], 0
+    content = request.content
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    raise errors.BodyTooLarge(f"the body is over the limit of {limit} bytes")
-                chunks.append(chunk)
+        if content.is_eof():  # all in already, as nearly every call's: nothing to wait for
+            body = content.read_nowait()
+        else:
+            async with asyncio.timeout(timeout_s):
+                body = await _read_arriving(content, limit)
     except TimeoutError:
         raise errors.RequestTimeout(f"the body did not arrive within {timeout_s}s") from None
     except (aiohttp.ClientPayloadError, web.HTTPException, ConnectionError) as exc:
         raise errors.InvalidRequest(f"the request body broke off: {exc}") from None
+    if len(body) > limit:
+        raise errors.BodyTooLarge(f"the body is over the limit of {limit} bytes")
+    return body
+
+
+async def _read_arriving(content: StreamReader, limit: int) -> bytes:
+    """A body still arriving, read until its end or until it is over `limit` (the rest is
+    not read into memory)."""
+    chunks, size = [], 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        chunks.append(chunk)
+        if size > limit:
+            break
     return b"".join(chunks)
 
 
@@ -185,13 +199,12 @@ async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
     """Read up to `keep_max` + 1 body bytes: an answer that fits is kept for replay whole."""
     chunks, size, broken = [], 0, False
     try:
-        async with asyncio.timeout_at(deadline):
-            while size <= keep_max:
-                chunk = await response.read(keep_max + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
+        while size <= keep_max:
+            chunk = await response.read(keep_max + 1 - size, deadline)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     except (TimeoutError, BrokenAnswer):
         broken = True
     complete = not broken and response.at_eof()
@@ -203,7 +216,13 @@ class RelayedResponse(web.StreamResponse):
 
     aiohttp gives every non-empty body a `Content-Type: application/octet-stream` when none is
     set; an answer relayed from the tool must not gain a header the tool did not send.
+
+    The head goes out with the first write of the body (`stream_back` makes one at once, empty
+    or not), as `web.Response` does: one system call and one wake-up of the client for an
+    answer that is all in, where sending the head at `prepare` made two.
     """
+
+    _send_headers_immediately = False
 
     async def _prepare_headers(self) -> None:
         typed = hdrs.CONTENT_TYPE in self.headers
@@ -235,7 +254,13 @@ async def stream_back(
     try:
         async with asyncio.timeout_at(deadline):
             await response.prepare(request)
-            await response.write(head.prefix)
+            # with what else of the body is in already: an answer that is all in goes out
+            # whole in one write, with the head
+            await response.write(
+                head.prefix + rest.read_nowait()
+                if rest is not None and not head.complete and not head.broken
+                else head.prefix
+            )
             while rest is not None and not head.complete and not broken:
                 reading = True  # only the upstream's side counts as the body breaking
                 try:

@@ -33,7 +33,9 @@ def route(request: web.Request, policies: PolicySet) -> Route:
     if not raw.startswith("/"):
         raise errors.InvalidRequest("only origin-form request targets (/path) are accepted")
     path, _, _query = raw.partition("?")
-    if any(unquote(segment) in (".", "..") for segment in path.split("/")):
+    if ("." in path or "%" in path) and any(
+        unquote(segment) in (".", "..") for segment in path.split("/")
+    ):  # a dot segment has a dot, as such or encoded (%2e): other paths need no scan
         raise errors.InvalidRequest("a path with a '.' or '..' segment is refused")
     found = policies.route(path)
     if found is None and upgrade:

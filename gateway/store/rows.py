@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any
 
 from gateway.core.cleanups import OwedCleanup
@@ -193,10 +194,20 @@ def outcome_columns(outcome: Outcome) -> tuple[str | None, bytes | None, str | N
     (kept for replay only when whole) and `session`."""
     headers, body = outcome.response if outcome.response is not None else (None, None)
     return (
-        json.dumps(headers) if headers is not None else None,
+        headers_json(headers) if headers is not None else None,
         body,
         session_json(outcome.session),
     )
+
+
+def headers_json(headers: list[tuple[str, str]]) -> str:
+    """`json.dumps(headers)`, the same text, written out: most outcomes store headers, and
+    `json.dumps` makes a new encoder for every call and marks every pair against cycles."""
+    try:
+        pairs = [f"[{_json_string(name)}, {_json_string(value)}]" for name, value in headers]
+    except (TypeError, ValueError):  # not pairs of strings: as json.dumps makes them
+        return json.dumps(headers)
+    return f"[{', '.join(pairs)}]"
 
 
 def replayed_of(receipt_id: str, row: Mapping[str, Any]) -> Replayed:

@@ -80,6 +80,16 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
+# The sqlite3 module binds an int, float or str parameter as it is, but looks every other one
+# (None, bytes) up as a value to adapt first, and that lookup fails by raising and clearing
+# an AttributeError, with its message formatted: about 4,000 instructions a parameter, and an
+# admission binds several None (owner, client, mcp, trace_id) and an outcome a body. A
+# registered adapter is found by the first step of that lookup. Each gives the value back as
+# it was, so what is bound, and stored, is the same: NULL for None, a BLOB for bytes.
+_NOTHING: dict[None, None] = {}  # its `get`: a C function that answers None for None
+sqlite3.register_adapter(type(None), _NOTHING.get)
+sqlite3.register_adapter(bytes, bytes)  # bytes(b) is b itself
+
 # Retention deletes in small batches, each its own write, so admissions queued behind one
 # wait for a few hundred rows at most; a sweep deletes PRUNE_BATCH * PRUNE_BATCHES rows at
 # most, and a backlog drains over sweeps.
@@ -94,7 +104,7 @@ CHECKPOINT_AFTER_CHANGES = 2000
 WAL_MAX_FRAMES = 16384  # 64 MiB of 4 KiB pages
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is cut back to this after a reset
 PAGE_CACHE_KIB = 64 * 1024  # the writer's page cache: the hot indexes' pages stay in memory
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
@@ -108,6 +118,12 @@ _RECORD_OUTCOME = (
     "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, forwarded_at = ?, "
     "completed_at = ?, replayable = ?, response_headers = ?, response_body = ?, "
     "session = coalesce(?, session) WHERE id = ?"
+)
+
+
+_SETTLE_KEY = (
+    "UPDATE idempotency_keys SET expires_at = ?1 + retention_s WHERE (resource, key) = "
+    "(SELECT resource, idempotency_key FROM receipts WHERE id = ?2) AND receipt_id = ?2"
 )
 
 
@@ -227,17 +243,21 @@ class SqliteStore:
             conn.execute("PRAGMA wal_autocheckpoint=0")  # the writer's own, between batches
             conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
-            schema = resources.files("gateway.store").joinpath("schema/sqlite.sql").read_text()
-            conn.executescript(schema)
             self._migrate(conn)
         return conn
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
         """Bring the schema to `SCHEMA_VERSION`, one version per transaction; refuse a
-        database of a newer gateway. A database from before versioning reads 0, as version 1
-        (the base schema, which `CREATE TABLE IF NOT EXISTS` has just made sure of)."""
-        version = max(conn.execute("PRAGMA user_version").fetchone()[0], 1)
+        database of a newer gateway. A new database, and one from before versioning, reads 0:
+        the base schema (version 1, all `IF NOT EXISTS`) makes sure of it first. Only then:
+        a later version may drop what the base schema would make again."""
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            conn.executescript(
+                resources.files("gateway.store").joinpath("schema/sqlite.sql").read_text()
+            )
+            version = 1
         if version > SCHEMA_VERSION:
             raise SchemaTooNew(
                 f"the SQLite schema is version {version}, newer than this gateway knows "
@@ -475,11 +495,9 @@ class SqliteStore:
     @staticmethod
     def _settle_key(conn: sqlite3.Connection, receipt_id: str, now: float) -> None:
         """The key's retention starts once its latest receipt is settled: the key that
-        points at this receipt, if any still does (keys_by_receipt)."""
-        conn.execute(
-            "UPDATE idempotency_keys SET expires_at = ? + retention_s WHERE receipt_id = ?",
-            (now, receipt_id),
-        )
+        points at this receipt, if any still does. Found by its primary key, the receipt's
+        resource and idempotency key (a key only points at a receipt admitted for it)."""
+        conn.execute(_SETTLE_KEY, (now, receipt_id))
 
     async def mark_forwarded(self, receipt_id: str) -> None:
         """The call leaves now, later than its admission (it waited for older calls): the
@@ -999,11 +1017,13 @@ class SqliteStore:
             ).rowcount
 
         def receipts(conn: sqlite3.Connection) -> int:
-            # Index range seeks only (receipts_by_completion, keys_by_receipt)
+            # Index range seeks only: receipts_by_completion (`completed_at < ?` implies its
+            # `completed_at IS NOT NULL`), and each key by its primary key
             return conn.execute(
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
                 f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
-                "idempotency_keys k WHERE k.receipt_id = r.id) LIMIT ?)",
+                "idempotency_keys k WHERE k.resource = r.resource AND k.key = r.idempotency_key "
+                "AND k.receipt_id = r.id) LIMIT ?)",
                 (self._now() - receipt_retention_s, PRUNE_BATCH),
             ).rowcount
 

@@ -46,9 +46,15 @@ def _statement(with_lease: bool) -> str:
 
 
 _READ = {with_lease: _statement(with_lease) for with_lease in (False, True)}
+# What a resource never seen, and a store never restored nor raised (nearly every store), read
+# as: one value each, not a new one for every admission
+_NO_ROW = FenceRow()
+_NO_FLOORS = Floors()
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__,
+# several times the work, and this one only lives within one admission.
+@dataclass(slots=True)
 class AdmitRead:
     row: FenceRow
     floors: Floors
@@ -66,8 +72,10 @@ def read(conn: sqlite3.Connection, resource: str, key: str | None, with_lease: b
     key_row = got[_KEY_AT:_LEASE_AT]
     lease_row = got[_LEASE_AT:]
     return AdmitRead(
-        FenceRow() if issued is None else FenceRow(issued, accepted, lifted),
-        floors_of(floor, epoch, raises_of_json(raises)),
+        _NO_ROW if issued is None else FenceRow(issued, accepted, lifted),
+        _NO_FLOORS
+        if not (floor or epoch or raises)
+        else floors_of(floor, epoch, raises_of_json(raises)),
         lease_of(dict(zip(LEASE_COLUMNS, lease_row, strict=True)))
         if lease_row and lease_row[0] is not None
         else None,

@@ -180,22 +180,24 @@ class Answer:
 
     # -- what the call path reads ------------------------------------------------------------
 
-    async def wait_head(self) -> None:
-        """Until the final answer's head is in; raise `BrokenAnswer`."""
+    async def wait_head(self, deadline: float | None = None) -> None:
+        """Until the final answer's head is in; raise `BrokenAnswer`, or `TimeoutError` at
+        `deadline` (loop time)."""
         while not self.has_head:
             if self._error is not None:
                 raise self._error
-            await self._wait()
+            await self._wait(deadline)
 
-    async def read(self, limit: int = -1) -> bytes:
+    async def read(self, limit: int = -1, deadline: float | None = None) -> bytes:
         """Up to `limit` (any, when negative) body bytes as they come; b"" once the answer
-        ended. Raise `BrokenAnswer` when it broke, after what arrived before was read."""
+        ended. Raise `BrokenAnswer` when it broke, after what arrived before was read, or
+        `TimeoutError` when nothing came by `deadline` (loop time)."""
         while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self.ended:
                 return b""
-            await self._wait()
+            await self._wait(deadline)
         chunk = self._chunks[0]
         if 0 <= limit < len(chunk):
             self._chunks[0] = chunk[limit:]
@@ -207,16 +209,34 @@ class Answer:
             self._connection.resume_reading()
         return chunk
 
+    def read_nowait(self) -> bytes:
+        """The body bytes that have arrived and are not read yet, without waiting (b"" when
+        none have); what broke the answer is `read`'s to raise."""
+        if not self._chunks:
+            return b""
+        chunk = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        self._connection.resume_reading()
+        return chunk
+
     def at_eof(self) -> bool:
         """The answer ended and every byte of it was read."""
         return self.ended and not self._chunks
 
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+    async def _wait(self, deadline: float | None) -> None:
+        """Until `_wake`. The deadline's timer is set only here, where the reader waits: a
+        read of what has arrived already (most reads) costs no timer, as a timeout scope
+        around it would."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if deadline is None else loop.call_at(deadline, _expire, waiter)
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool, or is closed."""
@@ -229,3 +249,8 @@ class Answer:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())

@@ -81,8 +81,7 @@ class Pool:
         connection.start(answer, (head, body) if body else (head,))
         # from here on the tool may have the request: nothing is ever sent again
         try:
-            async with asyncio.timeout_at(deadline):
-                await answer.wait_head()
+            await answer.wait_head(deadline)
         except TimeoutError:
             answer.release()
             raise ReadTimeout("no answer by the deadline") from None
