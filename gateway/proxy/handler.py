@@ -25,7 +25,15 @@ from gateway.proxy import appkeys, cdp, checks, headers, mcp, sessions
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
 from gateway.proxy.ordering import Place
-from gateway.proxy.relay import Head, framed_body, read_body, read_head, send_unfenced, stream_back
+from gateway.proxy.relay import (
+    STREAMED,
+    Head,
+    framed_body,
+    read_body,
+    read_head,
+    send_unfenced,
+    stream_back,
+)
 from gateway.proxy.route import Route, route
 from gateway.store.base import Call, Refused, Replayed
 
@@ -63,7 +71,7 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
     answer, deadline = await send_unfenced(request, flow, upstream, body)
     discovery = cdp.is_discovery(upstream, request.method, flow.rest)
     async with answer:
-        head = await read_head(answer, cdp.DISCOVERY_MAX_BYTES if discovery else 0, deadline)
+        head = await read_head(answer, cdp.DISCOVERY_MAX_BYTES if discovery else STREAMED, deadline)
         if discovery:
             head = cdp.rewrite_head(head, cdp.public_base(request, upstream, settings), upstream)
         response, _ = await stream_back(

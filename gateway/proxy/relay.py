@@ -38,6 +38,9 @@ from gateway.wire.errors import BrokenAnswer
 _UNFENCED_DROP = frozenset({REQUEST_ID_HEADER.lower()})
 
 
+STREAMED = -1  # `read_head`'s keep_max for an answer kept for nothing: no byte waited for
+
+
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     """The whole request body as received (de-chunked, never decompressed), within limits."""
     declared = request.content_length
@@ -196,7 +199,9 @@ class Head:
 
 
 async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
-    """Read up to `keep_max` + 1 body bytes: an answer that fits is kept for replay whole."""
+    """Read up to `keep_max` + 1 body bytes: an answer that fits is kept for replay whole.
+    `STREAMED` (-1): none, for an answer that is only relayed, whose head need not wait for a
+    byte of its body."""
     chunks, size, broken = [], 0, False
     try:
         while size <= keep_max:
@@ -215,20 +220,25 @@ class RelayedResponse(web.StreamResponse):
     """A response carrying the upstream's headers as they were.
 
     aiohttp gives every non-empty body a `Content-Type: application/octet-stream` when none is
-    set; an answer relayed from the tool must not gain a header the tool did not send.
-
-    The head goes out with the first write of the body (`stream_back` makes one at once, empty
-    or not), as `web.Response` does: one system call and one wake-up of the client for an
-    answer that is all in, where sending the head at `prepare` made two.
+    set; an answer relayed from the tool must not gain a header the tool did not send. Its head
+    goes out at `prepare`: a stream that is quiet for a while (an MCP GET stream, SSE) has its
+    status at once.
     """
-
-    _send_headers_immediately = False
 
     async def _prepare_headers(self) -> None:
         typed = hdrs.CONTENT_TYPE in self.headers
         await super()._prepare_headers()
         if not typed:
             self.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
+class _WrittenWithBody(RelayedResponse):
+    """`stream_back`'s: the head goes out with the first write of the body, which
+    `stream_back` makes right after `prepare`, empty or not, with what of the body is in
+    already. An answer that is all in is one system call and one wake-up of the client, where
+    the head written at `prepare` made two."""
+
+    _send_headers_immediately = False
 
 
 async def stream_back(
@@ -245,7 +255,7 @@ async def stream_back(
     off: the outcome is recorded already, and a stalled reader must not keep its resource's
     lane (and so a new owner) waiting.
     """
-    response = RelayedResponse(status=head.status)
+    response = _WrittenWithBody(status=head.status)
     for name, value in head.headers:
         response.headers.add(name, value)
     for name, value in extra.items():
