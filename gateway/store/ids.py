@@ -34,6 +34,8 @@ class MonotonicUlid:
         ms = int((time.time() if now is None else now) * 1000)
         if ms <= self._last_ms:
             ms, random = self._last_ms, self._last_random + 1
+            if random >> 80:  # the millisecond's 80 bits are used up: go on in the next one
+                ms, random = ms + 1, 0
         else:
             random = _random.getrandbits(79)  # leaves room to count up within a millisecond
         self._last_ms, self._last_random = ms, random

@@ -45,3 +45,14 @@ def test_made_ids_are_their_state_encoded_and_keep_order() -> None:
         made.append(make(now))
         assert _decode(made[-1]) == (make._last_ms << 80) | make._last_random
     assert made == sorted(made) and len(set(made)) == len(made)
+
+
+def test_a_millisecond_whose_ids_are_used_up_goes_on_in_the_next() -> None:
+    """After an id whose random part is all ones (a restart's `continue_after` may take one),
+    the next id in that millisecond would overflow the 80 bits: it is the next millisecond's
+    first instead, still after the last."""
+    make = MonotonicUlid()
+    last = _encode((5 << 80) | ((1 << 80) - 1))
+    make.continue_after(last)
+    following = make(0)
+    assert following > last and _decode(following) == 6 << 80
