@@ -38,9 +38,6 @@ from gateway.wire.errors import BrokenAnswer
 _UNFENCED_DROP = frozenset({REQUEST_ID_HEADER.lower()})
 
 
-STREAMED = -1  # `read_head`'s keep_max for an answer kept for nothing: no byte waited for
-
-
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     """The whole request body as received (de-chunked, never decompressed), within limits."""
     declared = request.content_length
@@ -196,6 +193,9 @@ class Head:
             response=(self.headers, self.prefix) if self.complete else None,
             error="response_incomplete" if self.broken else None,
         )
+
+
+STREAMED = -1  # `read_head`'s keep_max for an answer kept for nothing: no byte waited for
 
 
 async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
