@@ -301,10 +301,9 @@ class _AnswerReader:
         chunks, size = [], 0
         lost: errors.GatewayError | None = None
         try:
-            async with asyncio.timeout_at(deadline):
-                while size <= limit and (chunk := await answer.read(limit + 1 - size)):
-                    chunks.append(chunk)
-                    size += len(chunk)
+            while size <= limit and (chunk := await answer.read(limit + 1 - size, deadline)):
+                chunks.append(chunk)
+                size += len(chunk)
         except TimeoutError:
             lost = errors.UpstreamTimeout(
                 f"upstream {self.upstream.name} did not answer within "
