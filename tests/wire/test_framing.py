@@ -209,3 +209,34 @@ async def test_an_endless_head_is_cut_off(scripted) -> None:
         assert asyncio.get_running_loop().time() - started < 4
     finally:
         await pool.close()
+
+
+async def test_a_read_waits_for_the_body_until_its_deadline_and_no_longer(scripted) -> None:
+    """A body that stops coming: what came is read at once, even past the deadline (nothing to
+    wait for); the next read ends in TimeoutError at the deadline, no waiter left behind;
+    and the connection is not used again."""
+    stalled = asyncio.Event()
+
+    async def stalls(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        await stalled.wait()
+
+    tool = await scripted({"/stalls": stalls, "/ok": SHAPES["/length"][0]})
+    pool = pool_to(tool)
+    loop = asyncio.get_running_loop()
+    try:
+        async with await pool.send("GET", "/stalls", HEADERS, None, loop.time() + 5) as answer:
+            while not answer._chunks:  # the first bytes of the body, in
+                await asyncio.sleep(0.01)
+            assert await answer.read(-1, loop.time() - 1) == b"abc"
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await answer.read(-1, started + 0.3)
+            assert 0.25 < loop.time() - started < 2
+            assert answer._waiter is None and not answer.ended
+        assert (await fetch(pool, "/ok"))[2] == b"hello"
+        assert tool.connections == [1, 2]  # the stalled one carried nothing more
+    finally:
+        stalled.set()
+        await pool.close()
