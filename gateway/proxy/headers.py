@@ -7,6 +7,7 @@ twice is that header's 400.
 
 from __future__ import annotations
 
+import functools
 import random
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -145,7 +146,17 @@ def connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[s
     return named
 
 
-def strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """A copy without hop-by-hop headers, those named in `Connection`, and `drop`."""
-    removed = HOP_BY_HOP | connection_named(headers) | drop
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in removed)
+def strip(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """The headers without hop-by-hop ones, those named in `Connection`, and `drop`."""
+    removed = _hop_by_hop_and(drop)
+    if "Connection" in headers:
+        removed = removed | connection_named(headers)
+    return [(k, v) for k, v in headers.items() if k.lower() not in removed]
+
+
+@functools.cache
+def _hop_by_hop_and(drop: frozenset[str]) -> frozenset[str]:
+    """HOP_BY_HOP with `drop`: made once for each of the few drop sets the callers use."""
+    return HOP_BY_HOP | drop
