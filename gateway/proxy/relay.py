@@ -7,6 +7,8 @@ the headers the tool receives, and one way to stream an answer back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -23,11 +25,9 @@ from gateway.proxy.flow import Flow
 from gateway.proxy.headers import (
     FENCE_HEADER,
     GATEWAY_OWNED,
-    HOP_BY_HOP,
     RECEIPT_HEADER,
     REQUEST_ID_HEADER,
     RESOURCE_HEADER,
-    connection_named,
     strip,
 )
 from gateway.proxy.upstream import UpstreamFailure
@@ -139,7 +139,7 @@ def upstream_headers(
     """
     headers = CIMultiDict[str](Host=upstream.authority)  # first, as RFC 9112 §3.2 asks
     if request is not None:
-        headers.extend(strip(request.headers, GATEWAY_OWNED | drop))
+        headers.extend(strip(request.headers, _not_passed_on(drop)))
     for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
         headers[name] = value  # replaces any value of that name from the client
     if request is None:
@@ -153,6 +153,13 @@ def upstream_headers(
         headers["X-Forwarded-For"] = peer
         headers["X-Forwarded-Proto"] = request.scheme
     return headers
+
+
+@functools.cache
+def _not_passed_on(drop: frozenset[str]) -> frozenset[str]:
+    """The client's headers the tool never receives: the gateway's own, and `drop` (made once
+    for each of the few drop sets the callers use)."""
+    return GATEWAY_OWNED | drop
 
 
 def is_trusted(
@@ -170,8 +177,7 @@ def is_trusted(
 
 def response_headers(upstream: Answer) -> list[tuple[str, str]]:
     """The upstream's answer headers without the hop-by-hop ones."""
-    removed = HOP_BY_HOP | connection_named(upstream.headers)
-    return [(k, v) for k, v in upstream.headers.items() if k.lower() not in removed]
+    return strip(upstream.headers)
 
 
 @dataclass(slots=True)
@@ -214,6 +220,28 @@ async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
         broken = True
     complete = not broken and response.at_eof()
     return Head(response.status, response_headers(response), b"".join(chunks), complete, broken)
+
+
+def _never_waits(request: web.Request, response: web.StreamResponse, body: bytes) -> bool:
+    """Whether writing the whole of an answer cannot wait for the client: a write waits only
+    when the connection's writing is paused, or this one pauses it (its buffer then holds
+    more than the transport's high-water mark), or its body is over aiohttp's 64 KiB
+    write limit."""
+    transport = request.transport
+    if transport is None or request.protocol.writing_paused or len(body) > _WRITE_LIMIT:
+        return False
+    try:
+        room = transport.get_write_buffer_limits()[1] - transport.get_write_buffer_size()
+    except NotImplementedError:  # a transport that does not say: any write may wait
+        return False
+    head = sum(len(name) + len(value) + 4 for name, value in response.headers.items())
+    return head + len(body) + _STATUS_AND_ADDED <= room
+
+
+_WRITE_LIMIT = 64 * 1024  # aiohttp's StreamWriter drains a write above this
+# room for the status line, the headers aiohttp adds (Date, Server, the framing) and the
+# chunked framing of an answer of unknown length
+_STATUS_AND_ADDED = 512
 
 
 class RelayedResponse(web.StreamResponse):
@@ -260,17 +288,23 @@ async def stream_back(
         response.headers.add(name, value)
     for name, value in extra.items():
         response.headers[name] = value
+    # with what else of the body is in already: an answer that is all in goes out whole in
+    # one write, with the head
+    first = head.prefix
+    if rest is not None and not head.complete and not head.broken:
+        first += rest.read_nowait()
+    whole = not head.broken and (head.complete or (rest is not None and rest.at_eof()))
+    # the deadline needs a timer only when a write may wait (most answers' never does)
+    scope = (
+        contextlib.nullcontext()
+        if whole and _never_waits(request, response, first)
+        else asyncio.timeout_at(deadline)
+    )
     broken, reading = head.broken, False
     try:
-        async with asyncio.timeout_at(deadline):
+        async with scope:
             await response.prepare(request)
-            # with what else of the body is in already: an answer that is all in goes out
-            # whole in one write, with the head
-            await response.write(
-                head.prefix + rest.read_nowait()
-                if rest is not None and not head.complete and not head.broken
-                else head.prefix
-            )
+            await response.write(first)
             while rest is not None and not head.complete and not broken:
                 reading = True  # only the upstream's side counts as the body breaking
                 try:
