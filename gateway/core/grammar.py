@@ -7,7 +7,9 @@ import re
 
 MAX_FENCE = 2**63 - 1
 
-_RESOURCE_CHARS = re.compile(r"[A-Za-z0-9._\-:@/]{1,256}")
+# segments of resource characters separated by single `/`, none of them `.` or `..`
+_SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9._\-:@]+"
+_RESOURCE = re.compile(rf"(?=.{{1,256}}\Z){_SEGMENT}(?:/{_SEGMENT})*", re.DOTALL)
 _OWNER = re.compile(r"[A-Za-z0-9._\-:@/]{1,128}")
 _FENCE = re.compile(r"[1-9][0-9]*")  # ASCII only: re with str patterns needs re.ASCII for \d
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
@@ -17,9 +19,7 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 def valid_resource(value: str) -> bool:
     """1 to 256 of `A-Z a-z 0-9 . _ - : @ /`, segments separated by single `/`, no empty,
     `.` or `..` segment."""
-    if not _RESOURCE_CHARS.fullmatch(value):
-        return False
-    return all(segment not in ("", ".", "..") for segment in value.split("/"))
+    return _RESOURCE.fullmatch(value) is not None
 
 
 def fence_value(value: str) -> int | None:
