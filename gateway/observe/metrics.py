@@ -4,9 +4,12 @@ No label ever carries a raw resource key."""
 
 from __future__ import annotations
 
+import bisect
 import functools
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -83,18 +86,20 @@ class Metrics:
             ["result"],
             registry=registry,
         )
-        self.admission = Histogram(
+        admission = LoopHistograms(
             "fence_gateway_admission_seconds",
             "Admission: checks and the durable commit",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            (),
+            _LATENCY_BUCKETS,
+            registry,
         )
-        self.upstream = Histogram(
+        self.admission = admission.labels()
+        self.upstream = LoopHistograms(
             "fence_gateway_upstream_seconds",
             "Upstream call duration",
-            ["upstream"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("upstream",),
+            _LATENCY_BUCKETS,
+            registry,
         )
         self.sessions_open = Gauge(
             "fence_gateway_sessions_open",
@@ -151,3 +156,61 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopHistogram:
+    """One histogram's counts, observed on the event loop's thread only: with no lock
+    (prometheus-client's histogram takes one for its sum and one for its bucket, and walks
+    its buckets in Python, on every call)."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # by bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, amount)] += 1  # the first bound >= it
+        self.sum += amount
+
+
+class LoopHistograms:
+    """A histogram family of `LoopHistogram`s by label values, registered as a collector:
+    the scrape (on the loop too) reads it as prometheus-client's `Histogram` would be read."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        bounds: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._labelnames = list(labelnames)
+        self._bounds = tuple(map(float, bounds))
+        self._children: dict[tuple[str, ...], LoopHistogram] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopHistogram:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}")
+            child = self._children[values] = LoopHistogram(self._bounds)
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            cumulative, buckets = 0, []
+            # each bound's `le` as prometheus-client writes it: 1.0, 0.0005, +Inf
+            for bound, count in zip((*map(repr, self._bounds), "+Inf"), child.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
