@@ -57,7 +57,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, like the other records a call makes on its way (nothing changes one once it is
+# made): a frozen dataclass's __init__ sets each field through object.__setattr__, several
+# times the work, and this one is made for every call.
+@dataclass(slots=True)
 class Call:
     """A fenced call that passed the header checks, as admission needs it. A session's
     upgrade (`kind="session"`, docs/contract.md §15) takes no idempotency key: its key and
@@ -101,7 +104,8 @@ class Call:
         )
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as Call above.
+@dataclass(slots=True)
 class Admitted:
     """A `pending` receipt. `instance`: the instance that admitted it, the only one that may
     forward it. `ahead`: calls of the resource that must go first (a lower fence; for a
