@@ -37,10 +37,14 @@ STORE_POLL_MAX_S = 0.05
 
 
 class Lane:
-    __slots__ = ("registered", "turn", "users", "waiters")
+    __slots__ = ("cuttable", "fences", "registered", "turn", "users", "waiters")
 
     def __init__(self) -> None:
         self.registered: set[Place] = set()  # the calls whose fence is registered
+        # their fences, each with how many hold it: whether any is lower than a fence is a
+        # look at the few distinct ones, not at every call in flight (a hot resource's many)
+        self.fences: dict[int, int] = {}
+        self.cuttable: set[Place] = set()  # those of them that are open sessions
         self.turn = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.waiters: list[asyncio.Future[None]] = []
         self.users = 0
@@ -72,13 +76,26 @@ class Lanes:
 class Place:
     """One call's place in its resource's lane: its turn, its registered fence."""
 
-    __slots__ = ("_lane", "_turn_taken", "cut", "fence")
+    __slots__ = ("_cut", "_lane", "_turn_taken", "fence")
 
     def __init__(self, lane: Lane) -> None:
         self._lane = lane
         self.fence: int | None = None
         self._turn_taken = False
-        self.cut: Callable[[ClosedBy], None] | None = None  # an open session's: end it
+        self._cut: Callable[[ClosedBy], None] | None = None
+
+    @property
+    def cut(self) -> Callable[[ClosedBy], None] | None:
+        """An open session's: what ends it."""
+        return self._cut
+
+    @cut.setter
+    def cut(self, cut: Callable[[ClosedBy], None] | None) -> None:
+        self._cut = cut
+        if cut is None:
+            self._lane.cuttable.discard(self)
+        else:
+            self._lane.cuttable.add(self)
 
     async def take_turn(self, timeout_s: float) -> bool:
         """Wait for this call's turn in a serial resource; False when `timeout_s` passed."""
@@ -100,20 +117,33 @@ class Place:
     def cut_below(self, fence: int) -> None:
         """A call or session of `fence` was admitted: every open session of the resource
         with a lower fence stops relaying now (docs/contract.md §15)."""
-        for other in list(self._lane.registered):
-            if other.cut is not None and other.fence is not None and other.fence < fence:
-                other.cut("fenced")
+        for other in list(self._lane.cuttable):
+            if other._cut is not None and other.fence is not None and other.fence < fence:
+                other._cut("fenced")
 
     def register(self, fence: int) -> None:
+        lane = self._lane
+        self._unregister()
         self.fence = fence
-        self._lane.registered.add(self)
+        lane.registered.add(self)
+        lane.fences[fence] = lane.fences.get(fence, 0) + 1
+
+    def _unregister(self) -> None:
+        lane, fence = self._lane, self.fence
+        if fence is not None:
+            lane.registered.discard(self)
+            if lane.fences[fence] == 1:
+                del lane.fences[fence]
+            else:
+                lane.fences[fence] -= 1
+            self.fence = None
 
     def leave(self) -> None:
         """No longer in flight: wake the calls with newer fences that wait for this one."""
         lane = self._lane
+        lane.cuttable.discard(self)
         if self.fence is not None:
-            lane.registered.discard(self)
-            self.fence = None
+            self._unregister()
             waiters, lane.waiters = lane.waiters, []
             for waiter in waiters:
                 if not waiter.done():
@@ -129,6 +159,8 @@ class Place:
         if self.fence is None:
             raise RuntimeError("register the fence first")
         fence = self.fence
+        if min(self._lane.fences) >= fence:  # this call's own fence is among them
+            return set()
         return {
             other
             for other in self._lane.registered

@@ -53,6 +53,46 @@ class TestTakeover:
                 stale.register(1)  # arrives after the new owner's admission
                 assert await new.wait_for(older, 0.01)
 
+    async def test_older_are_exactly_the_lower_fences_in_flight(self) -> None:
+        lanes = Lanes()
+        async with lanes.join("r") as a, lanes.join("r") as b, lanes.join("r") as c:
+            a.register(3)
+            b.register(3)
+            c.register(5)
+            assert c.older() == {a, b}
+            assert a.older() == set()
+            a.leave()
+            assert c.older() == {b}
+            b.register(7)  # registered again, with a newer fence: the old one is gone
+            assert c.older() == set()
+            assert b.older() == {c}
+
+
+class TestCuts:
+    """An admitted fence cuts the open sessions of its resource with a lower fence, and no
+    other place."""
+
+    async def test_only_lower_open_sessions_are_cut(self) -> None:
+        lanes, cut = Lanes(), []
+        async with (
+            lanes.join("r") as session,
+            lanes.join("r") as newer_session,
+            lanes.join("r") as call,
+            lanes.join("r") as closed,
+            lanes.join("r") as admitted,
+        ):
+            session.register(1)
+            session.cut = lambda by: cut.append(("session", by))
+            newer_session.register(4)
+            newer_session.cut = lambda by: cut.append(("newer", by))
+            call.register(1)  # a call in flight, not a session: nothing to cut
+            closed.register(1)
+            closed.cut = lambda by: cut.append(("closed", by))
+            closed.cut = None  # its session ended
+            admitted.register(3)
+            admitted.cut_below(3)
+        assert cut == [("session", "fenced")]
+
 
 class TestSerial:
     """Serial turns go one at a time, in arrival order."""
