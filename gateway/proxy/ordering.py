@@ -44,7 +44,7 @@ class Lane:
         # their fences, each with how many hold it: whether any is lower than a fence is a
         # look at the few distinct ones, not at every call in flight (a hot resource's many)
         self.fences: dict[int, int] = {}
-        self.cuttable: set[Place] = set()  # those of them that are open sessions
+        self.cuttable: set[Place] = set()  # the places of open sessions: what a cut cuts
         self.turn = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.waiters: list[asyncio.Future[None]] = []
         self.users = 0
