@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from gateway.core.times import rfc3339
 from gateway.observe import logs
 
@@ -89,3 +91,36 @@ def test_the_line_time_is_the_contract_time_to_the_millisecond() -> None:
     spread = [1_000_000_000 + n * 7_654_321.123457 for n in range(2000)]
     for created in edges + spread + [t + k / 1000 for t in edges for k in range(1000)]:
         assert formatter._stamp(created) == rfc3339(created), created
+
+
+def test_a_record_made_cheaply_is_the_record_make_record_makes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the logging module's thread and process switches off, as a served gateway sets
+    them, `event`'s record is copied from a constant part; a handler reads the same
+    attributes off it as off `Logger.makeRecord`'s, the time and the fields its own."""
+    for switch in ("logThreads", "logProcesses", "logMultiprocessing", "logAsyncioTasks"):
+        monkeypatch.setattr(logging, switch, False, raising=False)
+    before = time.time()
+    fast = logs._record("call", logging.WARNING, {"n": 1})
+    made = logs.log.makeRecord(
+        logs.log.name, logging.WARNING, "", 0, "call", (), None, extra={"fields": {"n": 1}}
+    )
+    timing = {"created", "msecs", "relativeCreated"}
+    assert {k: v for k, v in vars(fast).items() if k not in timing} == {
+        k: v for k, v in vars(made).items() if k not in timing
+    }
+    assert before <= fast.created <= time.time()
+    assert fast.msecs == int((fast.created - int(fast.created)) * 1000)
+    assert abs(fast.relativeCreated - made.relativeCreated) < 1000  # both from the same start
+    assert logging.Formatter("%(levelname)s %(name)s:%(lineno)d %(message)s").format(fast) == (
+        "WARNING fence_gateway:0 call"
+    )
+
+
+def test_with_thread_details_on_the_record_is_make_records() -> None:
+    """Outside a served gateway the switches are on: those details vary, so the record is
+    made by `Logger.makeRecord` and carries them."""
+    assert logging.logThreads  # the default
+    record = logs._record("call", logging.INFO, {})
+    assert record.thread == threading.get_ident()
