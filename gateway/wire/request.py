@@ -25,15 +25,14 @@ def encode_head(
     headers of its own (header injection): the whole head is refused instead. Counting line
     ends over the joined head checks every value in two passes of C code.
     """
-    lines = [f"{method} {target} HTTP/1.1"]
-    lines.extend(f"{name}: {value}" for name, value in headers)
+    lines = [f"{name}: {value}\r\n" for name, value in headers]
     if body is not None:
-        lines.append(f"Content-Length: {len(body)}")
+        lines.append(f"Content-Length: {len(body)}\r\n")
     elif method not in _BODYLESS:
-        lines.append("Content-Length: 0")
+        lines.append("Content-Length: 0\r\n")
     lines.append("\r\n")
-    text = "\r\n".join(lines)
-    ends = len(lines)
+    text = f"{method} {target} HTTP/1.1\r\n" + "".join(lines)
+    ends = len(lines) + 1  # the request line's too
     if text.count("\n") != ends or text.count("\r") != ends:
         raise Unencodable("a CR or LF in the request line or a header")
     try:
