@@ -20,9 +20,7 @@ StoredAnswer = tuple[list[tuple[str, str]], bytes]
 """An answer kept for replay: its headers (hop-by-hop removed) and its whole body."""
 
 
-# Not frozen, like the other records a call makes on its way (nothing changes one once it is
-# made): a frozen dataclass's __init__ sets each field through object.__setattr__, several
-# times the work, and this one is made for every call.
+# Not frozen, as gateway.store.base.Call says why: one is made for every call.
 @dataclass(slots=True)
 class Outcome:
     """What became of one forwarded call, as its receipt records it."""

@@ -171,8 +171,12 @@ def _record(name: str, level: int, fields: dict[str, object]) -> logging.LogReco
     call): what does not change between records (no file and line, which no line of the
     gateway shows, so no walk of the stack for them) is copied from one made once, and only
     the message, the time and the fields are set."""
-    switches = (logging.logThreads, logging.logProcesses, logging.logMultiprocessing)
-    if any(switches) or getattr(logging, "logAsyncioTasks", False):  # details that vary
+    if (  # details that vary from record to record: Logger.makeRecord looks them up
+        logging.logThreads
+        or logging.logProcesses
+        or logging.logMultiprocessing
+        or getattr(logging, "logAsyncioTasks", False)
+    ):
         return log.makeRecord(log.name, level, "", 0, name, (), None, extra={"fields": fields})
     record = logging.LogRecord.__new__(logging.LogRecord)
     attributes = record.__dict__

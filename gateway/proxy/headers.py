@@ -147,16 +147,17 @@ def connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[s
 
 
 def strip(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = frozenset()
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], *drop: frozenset[str]
 ) -> list[tuple[str, str]]:
-    """The headers without hop-by-hop ones, those named in `Connection`, and `drop`."""
-    removed = _hop_by_hop_and(drop)
+    """The headers without hop-by-hop ones, those named in `Connection`, and those of `drop`."""
+    removed = _removed(drop)
     if "Connection" in headers:
         removed = removed | connection_named(headers)
     return [(k, v) for k, v in headers.items() if k.lower() not in removed]
 
 
 @functools.cache
-def _hop_by_hop_and(drop: frozenset[str]) -> frozenset[str]:
-    """HOP_BY_HOP with `drop`: made once for each of the few drop sets the callers use."""
-    return HOP_BY_HOP | drop
+def _removed(drop: tuple[frozenset[str], ...]) -> frozenset[str]:
+    """HOP_BY_HOP and the sets of `drop`: made once for each of the few combinations the
+    callers use."""
+    return HOP_BY_HOP.union(*drop)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -139,7 +138,7 @@ def upstream_headers(
     """
     headers = CIMultiDict[str](Host=upstream.authority)  # first, as RFC 9112 §3.2 asks
     if request is not None:
-        headers.extend(strip(request.headers, _not_passed_on(drop)))
+        headers.extend(strip(request.headers, GATEWAY_OWNED, drop))
     for name, value in (*gateway_set.items(), *upstream.inject_headers.items()):
         headers[name] = value  # replaces any value of that name from the client
     if request is None:
@@ -153,13 +152,6 @@ def upstream_headers(
         headers["X-Forwarded-For"] = peer
         headers["X-Forwarded-Proto"] = request.scheme
     return headers
-
-
-@functools.cache
-def _not_passed_on(drop: frozenset[str]) -> frozenset[str]:
-    """The client's headers the tool never receives: the gateway's own, and `drop` (made once
-    for each of the few drop sets the callers use)."""
-    return GATEWAY_OWNED | drop
 
 
 def is_trusted(
@@ -225,20 +217,20 @@ async def read_head(response: Answer, keep_max: int, deadline: float) -> Head:
 def _never_waits(request: web.Request, response: web.StreamResponse, body: bytes) -> bool:
     """Whether writing the whole of an answer cannot wait for the client: a write waits only
     when the connection's writing is paused, or this one pauses it (its buffer then holds
-    more than the transport's high-water mark), or its body is over aiohttp's 64 KiB
-    write limit."""
+    more than the transport's high-water mark), or it is over aiohttp's write limit, past
+    which its writer drains."""
     transport = request.transport
-    if transport is None or request.protocol.writing_paused or len(body) > _WRITE_LIMIT:
+    if transport is None or request.protocol.writing_paused:
         return False
     try:
         room = transport.get_write_buffer_limits()[1] - transport.get_write_buffer_size()
     except NotImplementedError:  # a transport that does not say: any write may wait
         return False
     head = sum(len(name) + len(value) + 4 for name, value in response.headers.items())
-    return head + len(body) + _STATUS_AND_ADDED <= room
+    return head + len(body) + _STATUS_AND_ADDED <= min(room, _WRITE_LIMIT)
 
 
-_WRITE_LIMIT = 64 * 1024  # aiohttp's StreamWriter drains a write above this
+_WRITE_LIMIT = 64 * 1024  # aiohttp's StreamWriter drains once a write takes it above this
 # room for the status line, the headers aiohttp adds (Date, Server, the framing) and the
 # chunked framing of an answer of unknown length
 _STATUS_AND_ADDED = 512

@@ -13,9 +13,7 @@ from gateway.core import errors
 from gateway.proxy.headers import connection_named
 
 
-# Not frozen, like the other records a call makes on its way (nothing changes one once it is
-# made): a frozen dataclass's __init__ sets each field through object.__setattr__, several
-# times the work, and this one is made for every call.
+# Not frozen, as gateway.store.base.Call says why: one is made for every call.
 @dataclass(slots=True)
 class Route:
     """Where a request goes: its upstream, the path after the mount, the target as received."""
