@@ -120,7 +120,12 @@ def test_a_record_made_cheaply_is_the_record_make_record_makes(
 
 def test_with_thread_details_on_the_record_is_make_records() -> None:
     """Outside a served gateway the switches are on: those details vary, so the record is
-    made by `Logger.makeRecord` and carries them."""
+    made by `Logger.makeRecord` and carries its own thread's, not the first record's."""
     assert logging.logThreads  # the default
-    record = logs._record("call", logging.INFO, {})
-    assert record.thread == threading.get_ident()
+    here = logs._record("call", logging.INFO, {})
+    there: list[logging.LogRecord] = []
+    other = threading.Thread(target=lambda: there.append(logs._record("call", logging.INFO, {})))
+    other.start()
+    other.join()
+    assert here.thread == threading.get_ident()
+    assert there[0].thread == other.ident != here.thread
