@@ -32,6 +32,7 @@ from gateway.proxy.headers import (
 from gateway.proxy.upstream import UpstreamFailure
 from gateway.wire.answer import Answer
 from gateway.wire.errors import BrokenAnswer
+from gateway.wire.incoming import Incoming
 
 # Client headers never passed on for an unfenced call: the gateway sets its own request id.
 _UNFENCED_DROP = frozenset({REQUEST_ID_HEADER.lower()})
@@ -275,7 +276,11 @@ async def stream_back(
     off: the outcome is recorded already, and a stalled reader must not keep its resource's
     lane (and so a new owner) waiting.
     """
-    response = _WrittenWithBody(status=head.status)
+    response = (
+        request.reply(head.status)  # a front connection's (gateway.wire.front)
+        if isinstance(request, Incoming)
+        else _WrittenWithBody(status=head.status)
+    )
     for name, value in head.headers:
         response.headers.add(name, value)
     for name, value in extra.items():

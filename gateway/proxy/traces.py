@@ -33,7 +33,6 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http import RawRequestMessage
 from multidict import CIMultiDict
 from opentelemetry import trace
 from opentelemetry.propagate import get_global_textmap
@@ -128,17 +127,17 @@ class Tracing:
         call.end(response.status, None, response.headers.get(RECEIPT_HEADER))
         return response
 
-    def shed(self, message: RawRequestMessage, status: int) -> None:
+    def shed(self, method: str, target: str, headers: Mapping[str, str], status: int) -> None:
         """A call the overload limit answered from its parsed head, before anything else (no
         request object exists for it): a span that says so."""
-        found = self._policies.route(message.path.partition("?")[0])
+        found = self._policies.route(target.partition("?")[0])
         mount = found[0].mount if found is not None else None
-        attributes = {"http.request.method": message.method}
+        attributes = {"http.request.method": method}
         if mount is not None:
             attributes["http.route"] = mount
         span = self.tracer.start_span(
-            span_name(message.method, mount),
-            context=self.propagator.extract(message.headers),
+            span_name(method, mount),
+            context=self.propagator.extract(headers),
             kind=SpanKind.SERVER,
             attributes=attributes,
         )

@@ -40,8 +40,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from aiohttp import web
-from aiohttp.helpers import rfc822_formatted_time
-from aiohttp.http import SERVER_SOFTWARE, HttpVersion11, RawRequestMessage
+from aiohttp.http import HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, InvalidURLError, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, _ErrInfo, _MsgType
@@ -56,8 +55,11 @@ from gateway.proxy.headers import (
     REQUEST_ID_HEADER,
 )
 from gateway.proxy.slot import Slot
+from gateway.server import overload
+from gateway.server.front import FrontDispatch
 from gateway.server.middleware import problem_response
-from gateway.server.overload import LIMIT, RETRY_AFTER_S, InflightLimit, ShedAnswer
+from gateway.server.overload import LIMIT, InflightLimit, ShedAnswer
+from gateway.wire.front import Front
 
 # Headers never passed on as the client sent them: the gateway reads, replaces or drops them
 # (GATEWAY_OWNED holds the fencing headers).
@@ -95,21 +97,6 @@ def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
     return None
 
 
-def _wire(answer: ShedAnswer, *, close: bool, to_head: bool) -> bytes:
-    """A shed call's answer as the server writes it, with the headers aiohttp would add (and
-    no body after them when it answers a HEAD, which HTTP says has none)."""
-    lines = ["HTTP/1.1 503 Service Unavailable"]
-    lines += [f"{name}: {value}" for name, value in answer.headers]
-    lines += [
-        f"Content-Length: {len(answer.body)}",
-        f"Date: {rfc822_formatted_time()}",
-        f"Server: {SERVER_SOFTWARE}",
-    ]
-    if close:
-        lines.append("Connection: close")
-    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if to_head else answer.body)
-
-
 def _answering(answer: ShedAnswer) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
     """A handler in place of the app's, for a shed call answered in its turn on the connection
     (aiohttp then reads and drops its body, and keeps the connection if the client does)."""
@@ -144,6 +131,9 @@ class _AdmittingParser:
 class _GatewayRequestHandler(RequestHandler):
     header_timeout_s = 10.0
     inflight: InflightLimit
+    # set when the front lent this protocol one request (gateway.wire.front): called once it
+    # has answered it and let go of the transport, the connection kept
+    lender: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._head_timer: asyncio.TimerHandle | None = None
@@ -182,7 +172,7 @@ class _GatewayRequestHandler(RequestHandler):
             if refusal is not None:
                 taken.append((_ErrInfo(400, refusal, refusal.message), payload))
                 continue
-            verdict = self.inflight.admit(message, now)
+            verdict = self.inflight.admit(message, message.url.path, now)
             if (
                 isinstance(verdict, ShedAnswer)
                 and not upgraded
@@ -221,7 +211,7 @@ class _GatewayRequestHandler(RequestHandler):
         # handed over are not, and this one never reaches aiohttp's queue.
         self._parser.message_consumed()
         close = message.should_close
-        self.transport.write(_wire(answer, close=close, to_head=message.method == "HEAD"))
+        self.transport.write(answer.wire(close=close, to_head=message.method == "HEAD"))
         self._request_count += 1  # a request handled: its head timer is done
         if close:
             self.force_close()  # the client asked: the answer is flushed first
@@ -238,7 +228,7 @@ class _GatewayRequestHandler(RequestHandler):
         if self._shed_pause is not None:
             self._shed_pause.cancel()
         self._pause_reading_for_buffer()
-        self._shed_pause = self._loop.call_later(RETRY_AFTER_S, self._resume_after_shed)
+        self._shed_pause = self._loop.call_later(overload.RETRY_AFTER_S, self._resume_after_shed)
 
     def _resume_after_shed(self) -> None:
         self._shed_pause = None
@@ -264,11 +254,40 @@ class _GatewayRequestHandler(RequestHandler):
         if verdict is not None:  # a counted call
             slot = request[appkeys.SLOT] = Slot(self.inflight.done, verdict)
         try:
-            return await super()._handle_request(request, start_time, request_handler)
+            answered = await super()._handle_request(request, start_time, request_handler)
         finally:
             if slot is not None:  # now answered, unless its slot was given back before
                 flow = request.get(appkeys.FLOW)
                 slot.release(flow.upstream_s if flow is not None else 0.0, self._loop.time())
+        response, reset = answered
+        if self.lender is not None and not reset and response.keep_alive:
+            # once its whole body is in (aiohttp reads what is left of one the handler did
+            # not), the next request starts where the front says
+            request.content.on_eof(self._give_back_soon)
+        return answered
+
+    def _give_back_soon(self) -> None:
+        self._loop.call_soon(self._give_back)  # once aiohttp's request loop is past it
+
+    def _give_back(self) -> None:
+        """The lent request is answered: let go of the transport without closing it (the
+        front reads the connection on) and end this protocol's request loop."""
+        lender, self.lender = self.lender, None
+        if lender is None or self.transport is None or self._messages:
+            return  # closed meanwhile, or not at a request boundary: aiohttp's to end
+        if self._force_close or self._close:
+            return
+        self._cancel_head_timer()
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        if self._manager is not None:
+            self._manager.connection_lost(self, None)
+        self.transport = None  # so that force_close closes nothing
+        self.force_close()
+        lender()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
@@ -329,14 +348,43 @@ class GatewayRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        handler_class = self._handler_class
-
-        class GatewayServer(web.Server):
-            def __call__(self) -> RequestHandler:
-                return handler_class(self, loop=self._loop, **self._kwargs)
-
         server.__class__ = GatewayServer
+        gateway_server = cast(GatewayServer, server)
+        gateway_server.handler_class = self._handler_class
+        gateway_server.keepalive_timeout_s = float(server._kwargs.get("keepalive_timeout", 75))
+        gateway_server.front = FrontDispatch(self.app, gateway_server.aiohttp_protocol)
         return server
+
+
+class GatewayServer(web.Server):
+    """Every connection starts on the front (gateway.wire.front), which hands the ones it
+    does not serve to aiohttp's protocol, ours (`_GatewayRequestHandler`). Made by
+    `GatewayRunner`, which sets what follows."""
+
+    front: FrontDispatch
+    handler_class: type[_GatewayRequestHandler]
+    keepalive_timeout_s: float
+
+    def aiohttp_protocol(self, returned: Callable[[], None] | None = None) -> RequestHandler:
+        handler = self.handler_class(self, loop=self._loop, **self._kwargs)
+        handler.lender = returned
+        return handler
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        return Front(
+            self.front,
+            self._register,
+            header_timeout_s=self.handler_class.header_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+        )
+
+    def _register(self, front: Front, transport: asyncio.Transport | None) -> None:
+        """The server's list of connections, which it closes, then drains, at shutdown."""
+        connections = cast(dict[Any, asyncio.Transport], self._connections)
+        if transport is None:
+            connections.pop(front, None)
+        else:
+            connections[front] = transport
 
 
 class GatewaySite(web.TCPSite):

@@ -30,9 +30,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
-from aiohttp.http import RawRequestMessage
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from multidict import CIMultiDictProxy
 
 from gateway.config.policy import PolicySet
 from gateway.core import errors
@@ -49,12 +52,38 @@ RETRY_AFTER_S = 1
 _PLACEHOLDER = "request-id-goes-here"
 
 
+class Head(Protocol):
+    """What the decision reads of a parsed head: aiohttp's `RawRequestMessage`, or the
+    front's (gateway.server.front)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...  # the request target as received
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ShedAnswer:
     """The `503 overloaded` of one call: its headers (Content-Length aside) and body."""
 
     headers: tuple[tuple[str, str], ...]
     body: bytes
+
+    def wire(self, *, close: bool, to_head: bool) -> bytes:
+        """As the server writes it, with the headers aiohttp would add (and no body after
+        them when it answers a HEAD, which HTTP says has none)."""
+        lines = ["HTTP/1.1 503 Service Unavailable"]
+        lines += [f"{name}: {value}" for name, value in self.headers]
+        lines += [
+            f"Content-Length: {len(self.body)}",
+            f"Date: {rfc822_formatted_time()}",
+            f"Server: {SERVER_SOFTWARE}",
+        ]
+        if close:
+            lines.append("Connection: close")
+        return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if to_head else self.body)
 
 
 class _Prepared:
@@ -116,18 +145,22 @@ class InflightLimit:
     def adaptive(self) -> bool:
         return self._adaptive is not None
 
-    def admit(self, message: RawRequestMessage, now: float) -> ShedAnswer | bool:
-        """The decision on a call whose head was just parsed: its answer when it is shed; True
-        when it is counted, and `done` must follow once it is answered; False when it passes
-        uncounted (the module's docstring)."""
-        if message.url.path.startswith("/_gateway/"):
+    def admit(self, head: Head, path: str, now: float) -> ShedAnswer | bool:
+        """The decision on a call whose head was just parsed (`path`: its target's path,
+        percent-decoded): its answer when it is shed; True when it is counted, and `done` must
+        follow once it is answered; False when it passes uncounted (the module's docstring)."""
+        if path.startswith("/_gateway/"):
             return False
         if self.in_flight >= self.limit:
-            return self._shed(message, now)
-        if "Upgrade" in message.headers:
+            return self._shed(head, now)
+        if "Upgrade" in head.headers:
             return False  # a session: not counted
         self.in_flight += 1
         return True
+
+    def overloaded(self, path: str) -> bool:
+        """Whether a call to `path` would be shed now; nothing is decided or counted."""
+        return self.in_flight >= self.limit and not path.startswith("/_gateway/")
 
     def done(self, rtt_s: float, now: float) -> None:
         """A counted call was answered `rtt_s` after its head arrived, less the tool's time."""
@@ -139,7 +172,7 @@ class InflightLimit:
         """A counted call will never be handled: its connection closed while it was queued."""
         self.in_flight -= 1
 
-    def _shed(self, message: RawRequestMessage, now: float) -> ShedAnswer:
+    def _shed(self, head: Head, now: float) -> ShedAnswer:
         # "-": never routed; the children appear with the first shed call (cached by Metrics)
         self._metrics.rejections_of("-", "overloaded").inc()
         self._metrics.requests_of("-", "rejected").inc()
@@ -155,16 +188,16 @@ class InflightLimit:
             self._shed_since_log, self._last_log = 0, now
         tracing = self._app[appkeys.TRACING]  # None, unless GATEWAY_OTEL (docs/contract.md §21)
         if tracing is not None:
-            tracing.shed(message, errors.Overloaded.status)
+            tracing.shed(head.method, head.path, head.headers, errors.Overloaded.status)
         problem, mcp = self._prepared
-        request_id = headers.request_id(message.headers) or headers.new_request_id()
-        return (mcp if self._answers_in_jsonrpc(message) else problem).answer(request_id)
+        request_id = headers.request_id(head.headers) or headers.new_request_id()
+        return (mcp if self._answers_in_jsonrpc(head) else problem).answer(request_id)
 
-    def _answers_in_jsonrpc(self, message: RawRequestMessage) -> bool:
+    def _answers_in_jsonrpc(self, head: Head) -> bool:
         """As gateway.proxy.mcp.answers_in_jsonrpc decides it, from the head alone."""
-        if message.method != "POST":
+        if head.method != "POST":
             return False
-        found = self._policies.route(message.path.partition("?")[0])
+        found = self._policies.route(head.path.partition("?")[0])
         return found is not None and found[0].mcp
 
 

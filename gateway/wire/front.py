@@ -1,0 +1,498 @@
+"""The front: the gateway's own server protocol for the proxied calls it can frame alone
+(docs/contract.md §5).
+
+Every connection starts here. A request is the front's when its head is one it can frame by
+itself and nothing about it is unusual: HTTP/1.1, no body or one framed by a single
+Content-Length, no Transfer-Encoding, Upgrade or Expect, an origin-form ASCII target, every
+header name a token and every value free of control characters, the whole head well inside
+aiohttp's size limits, and a target that `Dispatch.serves` says is a proxied call. Anything
+else (a `/_gateway/` call, the console, an upgrade, an MCP POST, a chunked body, a head
+httptools' strict parser refuses, HTTP/1.0, a head that is merely odd) is handed to aiohttp's
+server with the connection: aiohttp gets the transport and the request's bytes from its first
+byte, and its own limits, refusals and answers apply to that request and to every later one
+on the connection. The front keeps the bytes of a request until it dispatches it, so it can
+always hand over at a request boundary; it never takes a connection back.
+
+What the front itself owns, as aiohttp's server did for these requests: one request at a
+time per connection (a pipelined request waits until the answer before it is written), the
+header timeout (a connection must send a whole head within `header_timeout_s` of its first
+byte, or of opening), the idle keep-alive timeout, a body that must arrive within the body
+timeout (the call path's `read_body` waits for it), flow control both ways (reading pauses
+while a call is in progress and more than `_HIGH_WATER` bytes are waiting; an answer's writes
+wait while the client does not read), `Connection: close`, and the drain at shutdown (a call
+in progress is let finish within the grace period).
+
+The head's end and the body's length are found here, not by the parser: httptools says
+where nothing ends, and the hand-over needs to know where the next request begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.wire.incoming import Incoming
+
+# Heads at or near any of aiohttp's limits (8,190 bytes a line, 128 headers) go to aiohttp,
+# which refuses them as it always did.
+_MAX_HEAD = 8 * 1024
+_MAX_FIELDS = 100
+# Bytes kept waiting while a call is in progress before reading from the client pauses.
+_HIGH_WATER = 256 * 1024
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_TARGET = re.compile(rb"/[\x21-\x7e]*")
+_DIGITS = re.compile(rb"[0-9]{1,15}")
+# Headers that make a request the front does not frame: aiohttp's
+_NOT_FRAMED = frozenset({b"transfer-encoding", b"upgrade", b"expect"})
+# Headers aiohttp's parsers refuse to see twice (their SINGLETON_HEADERS): a head with two of
+# one goes to aiohttp, which refuses it as it always did; so does one without Host.
+_ONCE = frozenset(
+    {
+        b"content-length",
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"host",
+        b"max-forwards",
+        b"server",
+        b"user-agent",
+    }
+)
+
+
+class Dispatch(Protocol):
+    """What the server layer gives the front: which requests are its, what serves them, and
+    aiohttp's protocol for everything else."""
+
+    def serves(self, incoming: Incoming) -> bool:
+        """Whether the request is a call the front serves (its head is all it has read)."""
+
+    def call(self, incoming: Incoming) -> asyncio.Task[None]:
+        """Serve `incoming`; the task ends when its answer is written (or can't be)."""
+
+    app: Any  # the server's application: what the call path reads off a request
+
+    @property
+    def retry_after_s(self) -> float:
+        """How long the connection of a shed call is left unread."""
+
+    def overloaded(self, incoming: Incoming) -> bool:
+        """Whether the call would be shed (GATEWAY_MAX_INFLIGHT), deciding nothing: a call
+        the front would hand over is shed here all the same, when it can be answered now."""
+
+    def admit(self, incoming: Incoming) -> bytes | None:
+        """The whole answer to write at once when the call is shed; None when it is taken
+        (and counted until its answer is written)."""
+
+    def aiohttp_protocol(self, returned: Callable[[], None] | None = None) -> asyncio.Protocol:
+        """A new aiohttp request handler: for a connection the front hands over, or, with
+        `returned`, lent one request, which calls `returned` once it has let go of the
+        transport after answering it with the connection kept open."""
+
+
+class _Head:
+    """httptools' callbacks for one head: the target and the header lines."""
+
+    __slots__ = ("fields", "target")
+
+    def __init__(self) -> None:
+        self.target = b""
+        self.fields: list[tuple[bytes, bytes]] = []
+
+    def on_url(self, url: bytes) -> None:
+        self.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+
+class Front(asyncio.Protocol):
+    """One client connection, served here until a request is handed to aiohttp."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        register: Callable[[Front, asyncio.Transport | None], None],
+        *,
+        header_timeout_s: float,
+        keepalive_timeout_s: float,
+    ) -> None:
+        self._dispatch = dispatch
+        self._register = register  # (self, transport) on; (self, None) off the server's list
+        self._header_timeout_s = header_timeout_s
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._calling: asyncio.Task[None] | None = None
+        self._lent: asyncio.Protocol | None = None  # aiohttp's, for one request
+        self._incoming: Incoming | None = None
+        self._body_left = 0  # bytes of the current request's body still to come
+        self._idle: asyncio.Future[None] | None = None  # for a drain: no call, nothing lent
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading_paused = False
+        self._closing = False  # close once the call in progress is answered
+        self._shed_pause: asyncio.TimerHandle | None = None
+        self.writing_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self.remote: str | None = None
+        self.scheme = "http"
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport = cast(asyncio.Transport, transport)  # TCP or TLS
+        peer = transport.get_extra_info("peername")
+        self.remote = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else None
+        self.scheme = "https" if transport.get_extra_info("sslcontext") else "http"
+        self._register(self, transport)
+        self._set_timer(self._header_timeout_s)  # a new connection owes a head
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._body_left:
+            self._feed_body()
+        if self._calling is None and self._lent is None and self._shed_pause is None:
+            self._next()
+        elif len(self._buffer) > _HIGH_WATER:
+            self._pause_reading()  # pipelined requests pile up: read no more for now
+
+    def eof_received(self) -> bool:
+        if self._body_left and self._incoming is not None:
+            self._incoming.content.broke()
+        return False  # the transport closes; a call in progress goes on (`connection_lost`)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
+        if self._incoming is not None and self._body_left:
+            self._incoming.content.broke()
+        self._transport = None
+        self._wake_writer()
+        lent, self._lent = self._lent, None
+        if lent is not None:
+            lent.connection_lost(exc)
+        if self._calling is None:
+            self._register(self, None)
+            self._now_idle()
+        # else: the call goes on (an admitted call completes though its client left); the
+        # connection leaves the server's list when it is done (`_answered`)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        if self._lent is not None:
+            self._lent.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._wake_writer()
+        if self._lent is not None:
+            self._lent.resume_writing()
+
+    # -- what Reply and the server use --------------------------------------------------------
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._transport
+
+    async def drain(self) -> None:
+        """Wait until the client has read enough of what was written (or is gone)."""
+        if self.writing_paused and self._transport is not None:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await self._drained
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError("the client's connection is closed")
+
+    def close(self) -> None:
+        """At shutdown: close now if idle, else once the request in progress is answered."""
+        self._closing = True
+        if self._calling is None and self._lent is None:
+            self._close()
+
+    async def shutdown(self, timeout: float | None) -> None:
+        """Let the request in progress be answered within `timeout`, then close (aiohttp's
+        drain; a request lent to aiohttp is drained by aiohttp's protocol too)."""
+        self._closing = True
+        if self._calling is not None or self._lent is not None:
+            self._idle = self._loop.create_future()
+            await asyncio.wait([self._idle], timeout=timeout)
+            if self._calling is not None:
+                self._calling.cancel()
+        self._close()
+
+    _task_handler = None  # web.Server.connection_lost reads it off every connection
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Take the next request in the buffer, if its head is all in."""
+        buffer = self._buffer
+        if not buffer:
+            if self._timer is None:
+                self._set_timer(self._keepalive_timeout_s, keepalive=True)
+            return
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > _MAX_HEAD or buffer.count(b"\n") != buffer.count(b"\r\n"):
+                self._hand_over()  # aiohttp's limits, or a bare LF: aiohttp decides what it is
+            elif self._timer is None or self._keepalive_timer:
+                self._set_timer(self._header_timeout_s)  # the first bytes of a head
+            return
+        self._cancel_timer()
+        head_end = end + 4
+        parsed = self._parse(bytes(buffer[:head_end])) if head_end <= _MAX_HEAD else None
+        if parsed is None:
+            self._hand_over()
+            return
+        method, target, headers, length, close = parsed
+        if close and len(buffer) > head_end + (length or 0):
+            self._hand_over()  # bytes after `Connection: close`: aiohttp refuses them all
+            return
+        incoming = Incoming(self, method, target, headers, length, must_close=close)
+        incoming.app = self._dispatch.app
+        dispatch = self._dispatch
+        if dispatch.overloaded(incoming):
+            if (length is not None and len(buffer) - head_end < length) or self.writing_paused:
+                # not to be answered before aiohttp would: its body still coming (which
+                # aiohttp reads and drops), or the client not reading what it was sent
+                self._hand_over()
+                return
+            shed = dispatch.admit(incoming)
+            assert shed is not None  # overloaded: admit sheds it
+            self._take(incoming, head_end, length)
+            self._answer_shed(shed, incoming)
+        elif dispatch.serves(incoming):
+            dispatch.admit(incoming)  # counted: the limit is not reached, so it is not shed
+            self._take(incoming, head_end, length)
+            self._calling = dispatch.call(incoming)
+            self._calling.add_done_callback(self._answered)
+        else:
+            self._lend(head_end, length)
+
+    def _take(self, incoming: Incoming, head_end: int, length: int | None) -> None:
+        """The request is the front's: its head read off the buffer, its body fed to it
+        (now what is in, the rest as it comes)."""
+        del self._buffer[:head_end]
+        self._incoming = incoming
+        self._body_left = length or 0
+        if self._body_left:
+            self._feed_body()
+        else:
+            incoming.content.end()
+
+    def _parse(
+        self, head: bytes
+    ) -> tuple[str, str, CIMultiDictProxy[str], int | None, bool] | None:
+        """The method, target, headers, Content-Length and `Connection: close` of a head the
+        front frames; None for any other (aiohttp's)."""
+        if head.count(b"\n") != head.count(b"\r\n"):
+            return None  # a bare LF
+        fields = _Head()
+        parser = httptools.HttpRequestParser(fields)
+        try:
+            parser.feed_data(head)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            return None  # refused, or CONNECT (a tunnel): aiohttp's to answer
+        if parser.get_http_version() != "1.1" or parser.should_upgrade():
+            return None
+        target = fields.target
+        if not _TARGET.fullmatch(target) or len(fields.fields) > _MAX_FIELDS:
+            return None
+        length: int | None = None
+        close = False
+        seen: set[bytes] = set()
+        pairs: list[tuple[str, str]] = []
+        for name, value in fields.fields:
+            value = value.strip(b" \t")
+            if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+                return None
+            lowered = name.lower()
+            if lowered in _NOT_FRAMED:
+                return None
+            if lowered in _ONCE:
+                if lowered in seen:
+                    return None
+                seen.add(lowered)
+            if lowered == b"content-length":
+                if not _DIGITS.fullmatch(value):
+                    return None
+                length = int(value)
+            elif lowered == b"connection":
+                close = close or b"close" in (t.strip().lower() for t in value.split(b","))
+            try:
+                pairs.append((name.decode("ascii"), value.decode("utf-8")))
+            except UnicodeDecodeError:
+                return None  # aiohttp refuses it, as it always did (gateway.server)
+        if b"host" not in seen:
+            return None
+        method, target_text = parser.get_method().decode("ascii"), target.decode("ascii")
+        headers = CIMultiDictProxy(CIMultiDict(pairs))
+        # HTTP/1.1 keeps the connection unless the client says close (httptools' own answer
+        # is lost once a message without a body has ended within the head)
+        return method, target_text, headers, length, close
+
+    def _feed_body(self) -> None:
+        take = min(self._body_left, len(self._buffer))
+        chunk = bytes(self._buffer[:take])
+        del self._buffer[:take]
+        self._body_left -= take
+        if self._lent is not None:
+            self._lent.data_received(chunk)
+            return
+        incoming = self._incoming
+        assert incoming is not None
+        if chunk:
+            incoming.content.feed(chunk)
+        if not self._body_left:
+            incoming.content.end()
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        """The call's answer is written: the next request, or the end of the connection."""
+        incoming = self._incoming
+        self._calling = self._incoming = None
+        self._now_idle()
+        if self._transport is None:
+            self._register(self, None)
+            return
+        if (
+            self._closing
+            or incoming is None
+            or incoming.must_close
+            or self._body_left  # a body left unread: its bytes are no request
+            or task.cancelled()
+            or task.exception() is not None
+        ):
+            self._close()
+            return
+        if self._reading_paused:
+            self._resume_reading()
+        self._next()
+
+    def _answer_shed(self, answer: bytes, incoming: Incoming) -> None:
+        """A shed call, answered from its head at once; the connection is not read again for
+        the Retry-After second it was told (gateway.server.overload)."""
+        assert self._transport is not None
+        self._incoming = None
+        self._transport.write(answer)
+        if incoming.must_close or self._body_left:
+            self._close()
+            return
+        self._pause_reading()
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
+        self._shed_pause = self._loop.call_later(
+            self._dispatch.retry_after_s, self._resume_after_shed
+        )
+
+    def _resume_after_shed(self) -> None:
+        self._shed_pause = None
+        if self._transport is None:
+            return
+        self._resume_reading()
+        if self._calling is None:
+            self._next()
+
+    def _lend(self, head_end: int, length: int | None) -> None:
+        """One request for aiohttp's protocol to answer: its head and body, exactly, and the
+        transport while it answers. It gives the connection back (`returned`) once it has
+        answered and would keep the connection open; else it closes it."""
+        assert self._transport is not None
+        self._cancel_timer()
+        self._lent = lent = self._dispatch.aiohttp_protocol(self._returned)
+        lent.connection_made(self._transport)
+        if self.writing_paused:
+            lent.pause_writing()
+        take = head_end + min(length or 0, len(self._buffer) - head_end)
+        self._body_left = (length or 0) - (take - head_end)
+        data = bytes(self._buffer[:take])
+        del self._buffer[:take]
+        lent.data_received(data)
+
+    def _returned(self) -> None:
+        """aiohttp's protocol has answered the request lent to it and let go of the
+        transport: the connection is the front's again."""
+        self._lent = None
+        self._now_idle()
+        if self._transport is None:
+            return
+        if self._closing or self._body_left:
+            self._close()
+            return
+        if not self._reading_paused:
+            self._transport.resume_reading()  # in case aiohttp's protocol paused it
+        self._next()
+
+    def _now_idle(self) -> None:
+        idle, self._idle = self._idle, None
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+    def _hand_over(self) -> None:
+        """aiohttp's from now on: the transport, and the bytes from this request's first."""
+        transport = self._transport
+        if transport is None:
+            return
+        self._cancel_timer()
+        if self._shed_pause is not None:
+            self._shed_pause.cancel()
+            self._shed_pause = None
+        self._register(self, None)
+        self._transport = None
+        handler = self._dispatch.aiohttp_protocol()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.writing_paused:
+            handler.pause_writing()
+        if self._reading_paused:
+            transport.resume_reading()
+        data, self._buffer = bytes(self._buffer), bytearray()
+        handler.data_received(data)
+
+    # -- timers and reading --------------------------------------------------------------------
+
+    _keepalive_timer = False
+
+    def _set_timer(self, delay: float, *, keepalive: bool = False) -> None:
+        self._cancel_timer()
+        self._keepalive_timer = keepalive
+        self._timer = self._loop.call_later(delay, self._late)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self) -> None:
+        """No whole head within the header timeout, or idle past the keep-alive one."""
+        self._timer = None
+        if self._calling is None:
+            self._close()
+
+    def _pause_reading(self) -> None:
+        if self._transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._transport is not None and self._reading_paused:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _wake_writer(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        if self._transport is not None:
+            self._transport.close()
