@@ -24,13 +24,18 @@
   when kept and its body all read, is left unread for that second too. A counted call's
   time runs from the parse of its head to the end of the writing of its answer.
 
-Every request on a connection comes out of aiohttp's parser, which `_AdmittingParser` wraps
-so that each goes through the checks above before aiohttp queues it. aiohttp builds its
-protocol objects inside `web.Server`, with no hook; `GatewayRunner` swaps the class of the
-server it made for a subclass that builds ours, and `GatewaySite` opens its listening socket
-as aiohttp's `TCPSite` does, with the TLS handshake bound. It is the one place that leans on
-aiohttp internals beyond public settings (the parser's queue, the protocol's request loop, its
-read pausing), and tests pin its behaviour on the newest aiohttp and the oldest allowed.
+Every connection starts on the front (gateway.wire.front; its calls are served by
+gateway.server.front), which applies the same rules to the requests it serves. The requests
+it lends to aiohttp's protocol, and those on a connection it handed over, come out of
+aiohttp's parser, which `_AdmittingParser` wraps so that each goes through the checks above
+before aiohttp queues it; a lent protocol gives the connection back (`_give_back`) once it
+has answered its one request and read all of its body. aiohttp builds its protocol objects
+inside `web.Server`, with no hook; `GatewayRunner` swaps the class of the server it made for
+`GatewayServer`, which builds the front and, for it, ours, and `GatewaySite` opens its
+listening socket as aiohttp's `TCPSite` does, with the TLS handshake bound. It is the one
+place that leans on aiohttp internals beyond public settings (the parser's queue, the
+protocol's request loop, its read pausing, letting go of a transport), and tests pin its
+behaviour on the newest aiohttp and the oldest allowed.
 """
 
 from __future__ import annotations

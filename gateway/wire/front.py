@@ -1,17 +1,24 @@
-"""The front: the gateway's own server protocol for the proxied calls it can frame alone
-(docs/contract.md §5).
+"""The front: the gateway's own server protocol, which every client connection starts on
+(docs/contract.md §5; docs/design/architecture.md, "The front").
 
-Every connection starts here. A request is the front's when its head is one it can frame by
-itself and nothing about it is unusual: HTTP/1.1, no body or one framed by a single
-Content-Length, no Transfer-Encoding, Upgrade or Expect, an origin-form ASCII target, every
-header name a token and every value free of control characters, the whole head well inside
-aiohttp's size limits, and a target that `Dispatch.serves` says is a proxied call. Anything
-else (a `/_gateway/` call, the console, an upgrade, an MCP POST, a chunked body, a head
-httptools' strict parser refuses, HTTP/1.0, a head that is merely odd) is handed to aiohttp's
-server with the connection: aiohttp gets the transport and the request's bytes from its first
-byte, and its own limits, refusals and answers apply to that request and to every later one
-on the connection. The front keeps the bytes of a request until it dispatches it, so it can
-always hand over at a request boundary; it never takes a connection back.
+The front finds a head's end and a body's length itself and parses the head with httptools
+(llhttp, no lenient flag). It frames a request when nothing about it is unusual: HTTP/1.1,
+no body or one framed by a single Content-Length, no Transfer-Encoding, Upgrade or Expect, a
+Host and no second copy of a header aiohttp takes once, an origin-form ASCII target, every
+header name a token and every value free of control characters and valid UTF-8, CRLF line
+ends, the whole head well inside aiohttp's size limits. A framed request is then
+
+* served, when `Dispatch.serves` says it is a proxied call: the call path reads it as an
+  `Incoming` and answers with a `Reply`;
+* lent to aiohttp's protocol otherwise (a `/_gateway/` call, the console, an MCP POST, a
+  path no upstream is mounted at): a fresh one gets the transport and exactly this request's
+  bytes, answers it as aiohttp always did, and gives the connection back (`_returned`) at the
+  request boundary the front knows, or closes it.
+
+A request the front does not frame goes to aiohttp's protocol with the rest of the
+connection, for good (`_hand_over`): the front keeps a request's bytes until it dispatches
+it, so aiohttp gets them from the request's first byte, and its own limits, refusals and
+answers apply to that request and every later one on the connection.
 
 What the front itself owns, as aiohttp's server did for these requests: one request at a
 time per connection (a pipelined request waits until the answer before it is written), the
@@ -19,11 +26,9 @@ header timeout (a connection must send a whole head within `header_timeout_s` of
 byte, or of opening), the idle keep-alive timeout, a body that must arrive within the body
 timeout (the call path's `read_body` waits for it), flow control both ways (reading pauses
 while a call is in progress and more than `_HIGH_WATER` bytes are waiting; an answer's writes
-wait while the client does not read), `Connection: close`, and the drain at shutdown (a call
-in progress is let finish within the grace period).
-
-The head's end and the body's length are found here, not by the parser: httptools says
-where nothing ends, and the hand-over needs to know where the next request begins.
+wait while the client does not read), `Connection: close`, the overload limit's answers from
+the head, and the drain at shutdown (a request in progress is let finish within the grace
+period).
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class _Head:
 
 
 class Front(asyncio.Protocol):
-    """One client connection, served here until a request is handed to aiohttp."""
+    """One client connection, served here until a request it does not frame."""
 
     def __init__(
         self,
@@ -137,6 +142,7 @@ class Front(asyncio.Protocol):
         self._body_left = 0  # bytes of the current request's body still to come
         self._idle: asyncio.Future[None] | None = None  # for a drain: no call, nothing lent
         self._timer: asyncio.TimerHandle | None = None
+        self._keepalive_timer = False  # the timer running is the idle one, not a head's
         self._reading_paused = False
         self._closing = False  # close once the call in progress is answered
         self._shed_pause: asyncio.TimerHandle | None = None
@@ -427,8 +433,8 @@ class Front(asyncio.Protocol):
         if self._closing or self._body_left:
             self._close()
             return
-        if not self._reading_paused:
-            self._transport.resume_reading()  # in case aiohttp's protocol paused it
+        self._reading_paused = False  # paused here while lent, or by aiohttp's protocol
+        self._transport.resume_reading()
         self._next()
 
     def _now_idle(self) -> None:
@@ -459,8 +465,6 @@ class Front(asyncio.Protocol):
 
     # -- timers and reading --------------------------------------------------------------------
 
-    _keepalive_timer = False
-
     def _set_timer(self, delay: float, *, keepalive: bool = False) -> None:
         self._cancel_timer()
         self._keepalive_timer = keepalive
@@ -474,7 +478,7 @@ class Front(asyncio.Protocol):
     def _late(self) -> None:
         """No whole head within the header timeout, or idle past the keep-alive one."""
         self._timer = None
-        if self._calling is None:
+        if self._calling is None and self._lent is None:
             self._close()
 
     def _pause_reading(self) -> None:

@@ -16,8 +16,9 @@ record), admission (`store.admit`, the hand-off to the writer thread, its SQLite
 and commit, eight calls at a time as under load), upstream (send to the bench's tool, in its
 own process, and read its answer), outcome (`store.complete`, eight at a time), headers (what
 the tool and the client are told), log (the call's log line, until written), metrics. What
-the whole call costs beyond their sum is the server: aiohttp's request and response, the
-middlewares, the event loop, the body's read and the answer's write.
+the whole call costs beyond their sum is the server: the front (gateway.wire.front: the head's
+parse, the request and its reply), the middlewares, the event loop, the body's read and the
+answer's write.
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ async def table(tool: str) -> list[list[str]]:
         [name, f"{value / 1000:.0f}", f"{value / total:.0%}"] for name, value in by_part.items()
     ]
     server = total - sum(by_part.values())
-    rows.append(["server (the rest: aiohttp, middlewares, loop)", f"{server / 1000:.0f}",
+    rows.append(["server (the rest: the front, middlewares, loop)", f"{server / 1000:.0f}",
                  f"{server / total:.0%}"])  # fmt: skip
     rows.append(["whole call", f"{total / 1000:.0f}", "100%"])
     return rows
