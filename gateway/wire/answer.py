@@ -228,7 +228,7 @@ class Answer:
         """Until `_wake`. The deadline's timer is set only here, where the reader waits: a
         read of what has arrived already (most reads) costs no timer, as a timeout scope
         around it would."""
-        loop = asyncio.get_running_loop()
+        loop = self._connection.loop
         waiter = self._waiter = loop.create_future()
         timer = None if deadline is None else loop.call_at(deadline, _expire, waiter)
         try:

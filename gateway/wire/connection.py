@@ -37,11 +37,15 @@ class Connection(asyncio.Protocol):
         self._writing_paused = False
         self._reading_paused = False
         self.idle_since = 0.0
+        self.loop: asyncio.AbstractEventLoop  # set when the connection is made
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream transport, TCP or TLS
+        # its answers' waits make their futures here: asking asyncio for the running loop
+        # makes a getpid() system call each time
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         answer = self._answer

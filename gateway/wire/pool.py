@@ -47,6 +47,9 @@ class Pool:
     ) -> None:
         self._host, self._port = host, port
         self._limit = limit
+        # the event loop it serves, once it first runs there: asking asyncio for the running
+        # loop makes a getpid() system call each time, which is a call's every step here
+        self._running: asyncio.AbstractEventLoop | None = None
         self._connect_timeout_s = connect_timeout_s
         self._tls = tls
         self._server_hostname = server_hostname if tls is not None else None
@@ -92,11 +95,16 @@ class Pool:
 
     # -- connections -------------------------------------------------------------------------
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self._running is None:
+            self._running = asyncio.get_running_loop()
+        return self._running
+
     async def _acquire(self, deadline: float) -> Connection:
         """An open connection: an idle one, a new one, or the next to come free, within the
         connect timeout (which, as in aiohttp's client, counts the wait for a free slot too).
         Returns without an `await` after its last look at the connection."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         if loop.time() >= deadline:  # an idle connection would be taken without a wait
             raise ConnectError("the call's deadline passed before it could be sent")
         budget = min(deadline, loop.time() + self._connect_timeout_s)
@@ -173,7 +181,7 @@ class Pool:
             connection.abort()
             self.forget(connection)
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         connection.idle_since = loop.time()
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -200,13 +208,13 @@ class Pool:
     def _expire(self) -> None:
         """Close the connections idle for `KEEPALIVE_S`; look again when the next one is."""
         self._expiry = None
-        now = asyncio.get_running_loop().time()
+        now = self._loop().time()
         for connection in [c for c in self._idle if now - c.idle_since >= KEEPALIVE_S]:
             connection.close()
             self.forget(connection)
         if self._idle:
             oldest = min(c.idle_since for c in self._idle)
-            self._expiry = asyncio.get_running_loop().call_later(
+            self._expiry = self._loop().call_later(
                 oldest + KEEPALIVE_S - now, self._expire
             )
 
