@@ -214,9 +214,7 @@ class Pool:
             self.forget(connection)
         if self._idle:
             oldest = min(c.idle_since for c in self._idle)
-            self._expiry = self._loop().call_later(
-                oldest + KEEPALIVE_S - now, self._expire
-            )
+            self._expiry = self._loop().call_later(oldest + KEEPALIVE_S - now, self._expire)
 
     async def close(self) -> None:
         """Close every connection; the pool takes no more calls."""
