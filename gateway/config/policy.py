@@ -21,10 +21,11 @@ from pydantic import (
 )
 
 from gateway.core.globs import glob_matches, valid_glob
+from gateway.core.grammar import HTTP_TOKEN
 from gateway.core.mcp import ToolTreatment, tool_matches, treat_tool, valid_tool_glob
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_NAME = re.compile(HTTP_TOKEN)
 _URL_PATH = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*")
 # Headers an upstream's inject_headers may not set: message framing, Host, and what the
 # gateway sets to tell the tool about a fenced call.

@@ -14,6 +14,9 @@ _OWNER = re.compile(r"[A-Za-z0-9._\-:@/]{1,128}")
 _FENCE = re.compile(r"[1-9][0-9]*")  # ASCII only: re with str patterns needs re.ASCII for \d
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
+# An HTTP header name (RFC 9110 §5.1), as a pattern: policies check names as text, the
+# server checks them as bytes off the wire
+HTTP_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 
 
 def valid_resource(value: str) -> bool:

@@ -11,12 +11,11 @@ does not route is aiohttp's too: it is answered 404 there, as always.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import cast
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from gateway.config.policy import PolicySet
 from gateway.observe import logs
@@ -27,14 +26,6 @@ from gateway.server.auth import authenticate
 from gateway.server.middleware import problems
 from gateway.server.overload import LIMIT, InflightLimit, ShedAnswer
 from gateway.wire.incoming import Incoming, Reply, whole
-
-
-class _Head(NamedTuple):
-    """A front request's head as the overload limit reads one (gateway.server.overload)."""
-
-    method: str
-    path: str  # the target as received
-    headers: CIMultiDictProxy[str]
 
 
 async def _authenticated(request: web.Request) -> web.StreamResponse:
@@ -70,8 +61,9 @@ class FrontDispatch:
 
     def admit(self, incoming: Incoming) -> bytes | None:
         now = self._loop.time()
-        head = _Head(incoming.method, incoming.raw_path, incoming.headers)
-        verdict = self._limit.admit(head, incoming.path, now)
+        verdict = self._limit.admit(
+            incoming.method, incoming.raw_path, incoming.path, incoming.headers, now
+        )
         if isinstance(verdict, ShedAnswer):
             return verdict.wire(close=incoming.must_close, to_head=incoming.method == "HEAD")
         if verdict:
@@ -110,14 +102,19 @@ def _write_whole(incoming: Incoming, response: web.StreamResponse) -> None:
     transport = incoming.transport
     if transport is None or transport.is_closing():
         return
-    if incoming.replied or not isinstance(response, web.Response):
+    if incoming.replied:
         transport.abort()
         return
     if not incoming.content.is_eof():
         incoming.must_close = True  # its body's rest is still coming: no request follows
-    body = response.body
-    if not isinstance(body, bytes):
-        logs.event("unwritable_answer", logging.ERROR, detail=type(body).__name__)
-        transport.abort()
-        return
-    transport.write(whole(incoming, response.status, CIMultiDict(response.headers), body))
+    # the edge's refusals are `web.Response`s with their body as bytes (middleware)
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+    transport.write(
+        whole(
+            response.status,
+            CIMultiDict(response.headers),
+            response.body,
+            close=incoming.must_close,
+            to_head=incoming.method == "HEAD",
+        )
+    )

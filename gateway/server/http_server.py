@@ -177,7 +177,9 @@ class _GatewayRequestHandler(RequestHandler):
             if refusal is not None:
                 taken.append((_ErrInfo(400, refusal, refusal.message), payload))
                 continue
-            verdict = self.inflight.admit(message, message.url.path, now)
+            verdict = self.inflight.admit(
+                message.method, message.path, message.url.path, message.headers, now
+            )
             if (
                 isinstance(verdict, ShedAnswer)
                 and not upgraded

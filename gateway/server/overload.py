@@ -30,12 +30,9 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 from aiohttp import web
-from aiohttp.helpers import rfc822_formatted_time
-from aiohttp.http import SERVER_SOFTWARE
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config.policy import PolicySet
 from gateway.core import errors
@@ -45,23 +42,12 @@ from gateway.observe import logs
 from gateway.observe.metrics import Metrics
 from gateway.proxy import appkeys, headers
 from gateway.server.middleware import PROBLEM_TYPE, problem_document
+from gateway.wire.incoming import whole
 
 _LOG_EVERY_S = 10.0
 _DETAIL = "this gateway has as many calls in progress as it takes on at once; retry later"
 RETRY_AFTER_S = 1
 _PLACEHOLDER = "request-id-goes-here"
-
-
-class Head(Protocol):
-    """What the decision reads of a parsed head: aiohttp's `RawRequestMessage`, or the
-    front's (gateway.server.front)."""
-
-    @property
-    def method(self) -> str: ...
-    @property
-    def path(self) -> str: ...  # the request target as received
-    @property
-    def headers(self) -> CIMultiDictProxy[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +60,7 @@ class ShedAnswer:
     def wire(self, *, close: bool, to_head: bool) -> bytes:
         """As the server writes it, with the headers aiohttp would add (and no body after
         them when it answers a HEAD, which HTTP says has none)."""
-        lines = ["HTTP/1.1 503 Service Unavailable"]
-        lines += [f"{name}: {value}" for name, value in self.headers]
-        lines += [
-            f"Content-Length: {len(self.body)}",
-            f"Date: {rfc822_formatted_time()}",
-            f"Server: {SERVER_SOFTWARE}",
-        ]
-        if close:
-            lines.append("Connection: close")
-        return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if to_head else self.body)
+        return whole(503, CIMultiDict(self.headers), self.body, close=close, to_head=to_head)
 
 
 class _Prepared:
@@ -145,15 +122,18 @@ class InflightLimit:
     def adaptive(self) -> bool:
         return self._adaptive is not None
 
-    def admit(self, head: Head, path: str, now: float) -> ShedAnswer | bool:
-        """The decision on a call whose head was just parsed (`path`: its target's path,
-        percent-decoded): its answer when it is shed; True when it is counted, and `done` must
-        follow once it is answered; False when it passes uncounted (the module's docstring)."""
+    def admit(
+        self, method: str, target: str, path: str, fields: CIMultiDictProxy[str], now: float
+    ) -> ShedAnswer | bool:
+        """The decision on a call whose head was just parsed (`target` as received, `path`
+        its path percent-decoded, `fields` its headers): its answer when it is shed; True when
+        it is counted, and `done` must follow once it is answered; False when it passes
+        uncounted (the module's docstring)."""
         if path.startswith("/_gateway/"):
             return False
         if self.in_flight >= self.limit:
-            return self._shed(head, now)
-        if "Upgrade" in head.headers:
+            return self._shed(method, target, fields, now)
+        if "Upgrade" in fields:
             return False  # a session: not counted
         self.in_flight += 1
         return True
@@ -172,7 +152,9 @@ class InflightLimit:
         """A counted call will never be handled: its connection closed while it was queued."""
         self.in_flight -= 1
 
-    def _shed(self, head: Head, now: float) -> ShedAnswer:
+    def _shed(
+        self, method: str, target: str, fields: CIMultiDictProxy[str], now: float
+    ) -> ShedAnswer:
         # "-": never routed; the children appear with the first shed call (cached by Metrics)
         self._metrics.rejections_of("-", "overloaded").inc()
         self._metrics.requests_of("-", "rejected").inc()
@@ -188,16 +170,16 @@ class InflightLimit:
             self._shed_since_log, self._last_log = 0, now
         tracing = self._app[appkeys.TRACING]  # None, unless GATEWAY_OTEL (docs/contract.md §21)
         if tracing is not None:
-            tracing.shed(head.method, head.path, head.headers, errors.Overloaded.status)
+            tracing.shed(method, target, fields, errors.Overloaded.status)
         problem, mcp = self._prepared
-        request_id = headers.request_id(head.headers) or headers.new_request_id()
-        return (mcp if self._answers_in_jsonrpc(head) else problem).answer(request_id)
+        request_id = headers.request_id(fields) or headers.new_request_id()
+        return (mcp if self._answers_in_jsonrpc(method, target) else problem).answer(request_id)
 
-    def _answers_in_jsonrpc(self, head: Head) -> bool:
+    def _answers_in_jsonrpc(self, method: str, target: str) -> bool:
         """As gateway.proxy.mcp.answers_in_jsonrpc decides it, from the head alone."""
-        if head.method != "POST":
+        if method != "POST":
             return False
-        found = self._policies.route(head.path.partition("?")[0])
+        found = self._policies.route(target.partition("?")[0])
         return found is not None and found[0].mcp
 
 

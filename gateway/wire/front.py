@@ -39,8 +39,10 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import httptools
+from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.core.grammar import HTTP_TOKEN
 from gateway.wire.incoming import Incoming
 
 # Heads at or near any of aiohttp's limits (8,190 bytes a line, 128 headers) go to aiohttp,
@@ -49,27 +51,15 @@ _MAX_HEAD = 8 * 1024
 _MAX_FIELDS = 100
 # Bytes kept waiting while a call is in progress before reading from the client pauses.
 _HIGH_WATER = 256 * 1024
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TOKEN = re.compile(HTTP_TOKEN.encode())
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _TARGET = re.compile(rb"/[\x21-\x7e]*")
 _DIGITS = re.compile(rb"[0-9]{1,15}")
 # Headers that make a request the front does not frame: aiohttp's
 _NOT_FRAMED = frozenset({b"transfer-encoding", b"upgrade", b"expect"})
-# Headers aiohttp's parsers refuse to see twice (their SINGLETON_HEADERS): a head with two of
-# one goes to aiohttp, which refuses it as it always did; so does one without Host.
-_ONCE = frozenset(
-    {
-        b"content-length",
-        b"content-location",
-        b"content-range",
-        b"content-type",
-        b"etag",
-        b"host",
-        b"max-forwards",
-        b"server",
-        b"user-agent",
-    }
-)
+# Headers aiohttp's parsers refuse to see twice: a head with two of one goes to aiohttp,
+# which refuses it as it always did; so does one without Host.
+_ONCE = frozenset(name.lower().encode() for name in SINGLETON_HEADERS)
 
 
 class Dispatch(Protocol):
@@ -170,11 +160,6 @@ class Front(asyncio.Protocol):
         elif len(self._buffer) > _HIGH_WATER:
             self._pause_reading()  # pipelined requests pile up: read no more for now
 
-    def eof_received(self) -> bool:
-        if self._body_left and self._incoming is not None:
-            self._incoming.content.broke()
-        return False  # the transport closes; a call in progress goes on (`connection_lost`)
-
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         if self._shed_pause is not None:
@@ -234,8 +219,6 @@ class Front(asyncio.Protocol):
             if self._calling is not None:
                 self._calling.cancel()
         self._close()
-
-    _task_handler = None  # web.Server.connection_lost reads it off every connection
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -145,9 +145,6 @@ class Incoming:
     def __setitem__(self, key: Any, value: Any) -> None:
         self._values[key] = value
 
-    def __contains__(self, key: Any) -> bool:
-        return key in self._values
-
     def get(self, key: Any, default: Any = None) -> Any:
         return self._values.get(key, default)
 
@@ -213,8 +210,8 @@ class Reply(web.StreamResponse):
     def _head(self) -> bytes:
         self._started = self._request.replied = True
         headers, status = self.headers, self.status
-        self._no_body = self._request.method == "HEAD" or status < 200 or status in (204, 304)
-        if status < 200 or status in (204, 304):  # no body, and no length of one (RFC 9110)
+        self._no_body = _bodiless(status, to_head=self._request.method == "HEAD")
+        if _bodiless(status, to_head=False):  # no body, and no length of one (RFC 9110)
             headers.popall("Content-Length", None)
         elif "Content-Length" not in headers and not self._no_body:
             headers["Transfer-Encoding"] = "chunked"
@@ -247,9 +244,16 @@ def encode(status: int, headers: CIMultiDict[str], *, close: bool) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
-def whole(request: Incoming, status: int, headers: CIMultiDict[str], body: bytes) -> bytes:
-    """A whole answer of known body (an error of the gateway's own), as bytes to write."""
-    headers = CIMultiDict(headers)
+def whole(
+    status: int, headers: CIMultiDict[str], body: bytes, *, close: bool, to_head: bool
+) -> bytes:
+    """A whole answer of known body (one of the gateway's own: a refusal, a shed call's 503)
+    as bytes to write, its Content-Length added to `headers`; no body after the head of an
+    answer to HEAD (`to_head`), a 204 or a 304."""
     headers["Content-Length"] = str(len(body))
-    no_body = request.method == "HEAD" or status in (204, 304)
-    return encode(status, headers, close=request.must_close) + (b"" if no_body else body)
+    return encode(status, headers, close=close) + (b"" if _bodiless(status, to_head) else body)
+
+
+def _bodiless(status: int, to_head: bool) -> bool:
+    """An answer that has no body whatever its headers say: to HEAD, 1xx, 204, 304."""
+    return to_head or status < 200 or status in (204, 304)

@@ -236,6 +236,26 @@ class Served:
         await eventually(lambda: len(self.dispatch.recorders) > index)
         return self.dispatch.recorders[index]
 
+    async def lent_and_held(self) -> Lent:
+        """The first connection, `NOT_SERVED` lent on it and received by aiohttp's stand-in,
+        whose answer waits for `hold`."""
+        self.dispatch.hold_lent = hold = asyncio.Event()
+        reader, writer = await self.connect()
+        front, transport = await self.front()
+        writer.write(NOT_SERVED)
+        recorder = await self.recorder()
+        await recorder.received(len(NOT_SERVED))
+        return Lent(reader, writer, front, transport, recorder, hold)
+
+
+class Lent(NamedTuple):
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    front: Front
+    transport: asyncio.Transport
+    recorder: Recorder
+    hold: asyncio.Event
+
 
 class Start(Protocol):
     async def __call__(
@@ -650,13 +670,7 @@ class TestLend:
     ) -> None:
         """A MB pipelined behind a lent request pauses reading; once the lent request is
         answered, the MB's request is read whole and answered."""
-        served = await start()
-        served.dispatch.hold_lent = hold = asyncio.Event()
-        reader, writer = await served.connect()
-        _, transport = await served.front()
-        writer.write(NOT_SERVED)
-        recorder = await served.recorder()
-        await recorder.received(len(NOT_SERVED))
+        reader, writer, _, transport, _, hold = await (await start()).lent_and_held()
         body = b"z" * 1_000_000
         writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\n" + body)
         await eventually(lambda: not transport.is_reading())
@@ -670,25 +684,14 @@ class TestLend:
         """aiohttp's protocol is told the connection is lost, and the connection leaves the
         server's list."""
         served = await start()
-        served.dispatch.hold_lent = asyncio.Event()
-        _, writer = await served.connect()
-        front, _ = await served.front()
-        writer.write(NOT_SERVED)
-        recorder = await served.recorder()
-        await recorder.received(len(NOT_SERVED))
+        _, writer, front, _, recorder, _ = await served.lent_and_held()
         writer.close()
         await eventually(lambda: recorder.lost)
         await eventually(lambda: served.off == [front])
 
     async def test_close_waits_for_a_lent_request(self, start: Start) -> None:
         """close() while a request is lent: aiohttp's answer goes out, then the close."""
-        served = await start()
-        served.dispatch.hold_lent = hold = asyncio.Event()
-        reader, writer = await served.connect()
-        front, _ = await served.front()
-        writer.write(NOT_SERVED)
-        recorder = await served.recorder()
-        await recorder.received(len(NOT_SERVED))
+        reader, _, front, _, _, hold = await (await start()).lent_and_held()
         front.close()
         await still_open(reader, 0.3)
         hold.set()
@@ -696,13 +699,7 @@ class TestLend:
 
     async def test_shutdown_waits_for_a_lent_request(self, start: Start) -> None:
         """shutdown(timeout) while a request is lent returns once it is answered."""
-        served = await start()
-        served.dispatch.hold_lent = hold = asyncio.Event()
-        reader, writer = await served.connect()
-        front, _ = await served.front()
-        writer.write(NOT_SERVED)
-        recorder = await served.recorder()
-        await recorder.received(len(NOT_SERVED))
+        reader, _, front, _, _, hold = await (await start()).lent_and_held()
         shutting = asyncio.create_task(front.shutdown(WAIT))
         await asyncio.sleep(0.2)
         assert not shutting.done()
@@ -813,11 +810,7 @@ class TestTimers:
         """A lent request answered after both timeouts have passed keeps its connection;
         once it is back and idle, the keep-alive timeout closes it."""
         served = await start(header_timeout_s=0.3, keepalive_timeout_s=0.3)
-        served.dispatch.hold_lent = hold = asyncio.Event()
-        reader, writer = await served.connect()
-        writer.write(NOT_SERVED)
-        recorder = await served.recorder()
-        await recorder.received(len(NOT_SERVED))
+        reader, _, _, _, _, hold = await served.lent_and_held()
         await still_open(reader, 0.8)
         hold.set()
         async with asyncio.timeout(WAIT):
