@@ -194,10 +194,32 @@ async def forward(
             failpoints.crash_at("after_upstream")
             flow.status, flow.outcome = head.status, outcome.status
             yield Exchange(
-                outcome, await record(app, receipt_id, outcome), deadline, head=head, answer=answer
+                outcome,
+                await _record_over(app, place, receipt_id, outcome, over=head.complete),
+                deadline,
+                head=head,
+                answer=answer,
             )
     finally:
         in_flight.discard(receipt_id)
+
+
+async def _record_over(
+    app: web.Application, place: Place, receipt_id: str, outcome: Outcome, *, over: bool
+) -> bool:
+    """Record the outcome of a call the tool has answered; when the exchange is `over` (the
+    whole answer read), the resource's next serial call may go once the outcome is on its
+    way: ahead of the next call's admission where the store commits writes in order, else
+    recorded (on a shared store the next call would find this one still pending and wait for
+    it there). Relaying the answer to the client holds up no one (docs/contract.md §3,
+    "Ordering on takeover": forwarded one at a time)."""
+    store = app[appkeys.STORE]
+    if over and store.writes_in_order:
+        place.release_turn()  # the next call runs once this one yields: in record's write
+    recorded = await record(app, receipt_id, outcome)
+    if over:
+        place.release_turn()
+    return recorded
 
 
 async def record(app: web.Application, receipt_id: str, outcome: Outcome) -> bool:

@@ -319,6 +319,9 @@ class Store(Protocol):
     recovered: dict[str, int]  # receipts turned outcome_unknown at open, by upstream
     instance: str  # the id this process writes its receipts and heartbeat under, now
     shared: bool  # other processes may admit calls on this store (docs/contract.md §14)
+    # Writes commit in the order they were asked for: one asked for before another is durable
+    # no later than it (one writer, one queue)
+    writes_in_order: bool
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...

@@ -339,6 +339,7 @@ def _admission_args(
 
 class PostgresStore:
     shared = True  # any number of replicas admit calls on one database
+    writes_in_order = False  # each on a pooled connection of its own
 
     def __init__(
         self,
