@@ -193,11 +193,10 @@ async def clear_to_forward(
     moved to now, durably, before it leaves, so that a reconciler's grace never ends while
     the call may still be running at the tool.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
     older = place.older()
     if not older and not admitted.ahead:
-        return None
+        return None  # nearly every call
+    deadline = asyncio.get_running_loop().time() + timeout_s
     if older and not await place.wait_for(older, timeout_s):
         return "resource_busy"
     try:

@@ -4,6 +4,7 @@ again, and on SIGTERM drain and exit 0 (docs/contract.md §9, §22)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -175,6 +176,11 @@ async def serve(
     except OSError as exc:
         await runner.cleanup()
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
+    # Everything made to start (modules, the app, the policies, the store's and the pools'
+    # objects) lives as long as the process: out of the collector's sight, a full collection
+    # looks only at what calls made since, instead of pausing every call in progress while it
+    # walks the whole heap (the bench's p99 at 32 connections: about half).
+    gc.freeze()
     logs.event(
         "serving",
         host=settings.host,
