@@ -1,7 +1,8 @@
 """The embedded store: one SQLite file in WAL mode, written by one process.
 
-Writes go through `GroupCommitter` (one writer thread, many operations per fsync); reads use
-a second connection in a thread of their own, which WAL lets run beside the writer. An flock
+Writes go through `GroupCommitter` (many operations per fsync, run on the event loop and
+committed by a writer thread); reads use a second connection in a thread of their own, which
+WAL lets run beside the writer. An flock
 on the database file itself keeps a second gateway process off it: with one writer
 per file, read-decide-write inside one `BEGIN IMMEDIATE` transaction is atomic.
 """
@@ -300,10 +301,12 @@ class SqliteStore:
         if frames > WAL_MAX_FRAMES:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
-    async def _write(self, op: Callable[[sqlite3.Connection], T], *, durable: bool = False) -> T:
+    async def _write(
+        self, op: Callable[[sqlite3.Connection], T], *, durable: bool = False, bulk: bool = False
+    ) -> T:
         if self.committer is None:
             raise StoreUnavailable("the store is not open")
-        result: T = await self.committer.submit(op, durable=durable)
+        result: T = await self.committer.submit(op, durable=durable, bulk=bulk)
         return result
 
     async def _read(self, op: Callable[[sqlite3.Connection], T]) -> T:
@@ -965,7 +968,7 @@ class SqliteStore:
     async def prune_checkpoints(self) -> int:
         sql = cp.prune_checkpoints(_q, "?")
         return await self._write(
-            lambda conn: conn.execute(sql, (self._now(), PRUNE_BATCH)).rowcount
+            lambda conn: conn.execute(sql, (self._now(), PRUNE_BATCH)).rowcount, bulk=True
         )
 
     # -- upkeep (§9) --------------------------------------------------------------------------
@@ -1004,7 +1007,7 @@ class SqliteStore:
             )
             return count_by_upstream(lost)
 
-        return await self._write(op)
+        return await self._write(op, bulk=True)
 
     async def prune(self, receipt_retention_s: float) -> int:
         """Keys, then receipts past their retention, PRUNE_BATCH rows per write; how many
@@ -1035,7 +1038,7 @@ class SqliteStore:
         """Run the deleting `op` until it deletes less than a batch (or PRUNE_BATCHES times)."""
         total = 0
         for _ in range(PRUNE_BATCHES):
-            deleted = await self._write(op)
+            deleted = await self._write(op, bulk=True)
             total += deleted
             if deleted < PRUNE_BATCH:
                 break
@@ -1061,12 +1064,14 @@ class SqliteStore:
         return await self._write(
             lambda conn: sqlite_floors.raise_glob(conn, match, at_least, self._now()),
             durable=True,
+            bulk=True,
         )
 
     async def apply_restore(self, gap: int, beyond: int = 0) -> RestoreReport:
         return await self._write(
             lambda conn: sqlite_floors.apply_restore(conn, gap, beyond, self._now()),
             durable=True,
+            bulk=True,
         )
 
     async def highest_fence(self) -> int:

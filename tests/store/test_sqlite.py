@@ -3,11 +3,13 @@
 import asyncio
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
 from gateway.store import sqlite as sqlite_module
+from gateway.store.base import StoreUnavailable
 from gateway.store.sqlite import SqliteStore, StoreLocked
 from tests.store.test_contract import NO_WAIT, call, ok
 
@@ -90,6 +92,75 @@ class TestGroupCommit:
             ]
         finally:
             await store.close()
+
+
+class TestWhereTheWorkRuns:
+    """A batch's short operations run on the event loop's thread, its bulk ones and its
+    COMMIT in the writer thread (gateway.store.group_commit)."""
+
+    async def test_short_operations_on_the_loop_bulk_and_commit_in_the_writer(
+        self, tmp_path: Path
+    ) -> None:
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        threads: dict[str, str] = {}
+
+        def short(conn: sqlite3.Connection) -> None:
+            threads["short"] = threading.current_thread().name
+
+        def bulk(conn: sqlite3.Connection) -> None:
+            threads["bulk"] = threading.current_thread().name
+
+        def on_statement(statement: str) -> None:
+            if statement == "COMMIT":
+                threads["commit"] = threading.current_thread().name
+
+        store._writer_conn.set_trace_callback(on_statement)
+        try:
+            await asyncio.gather(
+                store.committer.submit(short), store.committer.submit(bulk, bulk=True)
+            )
+            assert threads["short"] == threading.current_thread().name
+            assert threads["bulk"].startswith("sqlite-writer")
+            assert threads["commit"].startswith("sqlite-writer")
+        finally:
+            await store.close()
+
+    async def test_a_failing_bulk_operation_does_not_sink_its_batch(self, tmp_path: Path) -> None:
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+
+        def broken(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM no_such_table")
+
+        try:
+            before = store.committer.batches
+            admitted, failed = await asyncio.gather(
+                store.admit(call(1, key="a")),
+                store.committer.submit(broken, bulk=True),
+                return_exceptions=True,
+            )
+            assert store.committer.batches - before == 1
+            assert type(failed).__name__ == "StoreUnavailable"
+            assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await store.close()
+
+    async def test_closing_answers_every_operation(self, tmp_path: Path) -> None:
+        """The batch the writer has is committed; what waits for the next one is refused."""
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        first = [asyncio.ensure_future(store.admit(call(1, key=f"a{i}"))) for i in range(10)]
+        await asyncio.sleep(0)  # submitted
+        await asyncio.sleep(0)  # begun, and handed to the writer
+        later = [asyncio.ensure_future(store.admit(call(1, key=f"b{i}"))) for i in range(10)]
+        await asyncio.sleep(0)  # submitted, waiting for the next batch
+        await store.close()
+        assert {type(r).__name__ for r in await asyncio.gather(*first)} == {"Admitted"}
+        refused = await asyncio.gather(*later, return_exceptions=True)
+        assert all(isinstance(r, StoreUnavailable) for r in refused)
+        with pytest.raises(StoreUnavailable):
+            await store.admit(call(1, key="late"))
 
 
 def _statements(store: SqliteStore) -> list[str]:
