@@ -24,8 +24,7 @@ it to leave like for any older call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 from gateway.core.sessions import ClosedBy
 from gateway.store.base import Admitted, Call, Store, StoreUnavailable
@@ -57,32 +56,39 @@ class Lanes:
     def __len__(self) -> int:
         return len(self._lanes)
 
-    @asynccontextmanager
-    async def join(self, resource: str) -> AsyncIterator[Place]:
+    def join(self, resource: str) -> Place:
+        """A call's place in `resource`'s lane, for `async with`: on the way out the call
+        leaves it, and the lane goes once no call is in it. (A class, not a generator: this
+        is on every fenced call's path.)"""
         lane = self._lanes.get(resource)
         if lane is None:
             lane = self._lanes[resource] = Lane()
         lane.users += 1
-        handle = Place(lane)
-        try:
-            yield handle
-        finally:
-            handle.leave()
-            lane.users -= 1
-            if lane.users == 0:
-                del self._lanes[resource]
+        return Place(lane, self._lanes, resource)
 
 
 class Place:
     """One call's place in its resource's lane: its turn, its registered fence."""
 
-    __slots__ = ("_cut", "_lane", "_turn_taken", "fence")
+    __slots__ = ("_cut", "_lane", "_lanes", "_resource", "_turn_taken", "fence")
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, lanes: dict[str, Lane], resource: str) -> None:
         self._lane = lane
+        self._lanes = lanes
+        self._resource = resource
         self.fence: int | None = None
         self._turn_taken = False
         self._cut: Callable[[ClosedBy], None] | None = None
+
+    async def __aenter__(self) -> Place:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.leave()
+        lane = self._lane
+        lane.users -= 1
+        if lane.users == 0:
+            del self._lanes[self._resource]
 
     @property
     def cut(self) -> Callable[[ClosedBy], None] | None:
