@@ -61,6 +61,8 @@ class FenceRow:
 
 def raised(floors: Floors, resource: str) -> int:
     """The highest `at_least` of the glob raises covering `resource` (0: none)."""
+    if not floors.raises:  # nearly every store: no generator made twice per admission
+        return 0
     return max((r.at_least for r in floors.raises if glob_matches(r.match, resource)), default=0)
 
 
