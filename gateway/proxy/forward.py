@@ -215,7 +215,8 @@ async def _record_over(
     "Ordering on takeover": forwarded one at a time)."""
     store = app[appkeys.STORE]
     if over and store.writes_in_order:
-        place.release_turn()  # the next call runs once this one yields: in record's write
+        # the next call resumes once this one yields, which is in the committer's queue
+        place.release_turn()
     recorded = await record(app, receipt_id, outcome)
     if over:
         place.release_turn()

@@ -2,9 +2,9 @@
 
 Writes go through `GroupCommitter` (many operations per fsync, run on the event loop and
 committed by a writer thread); reads use a second connection in a thread of their own, which
-WAL lets run beside the writer. An flock
-on the database file itself keeps a second gateway process off it: with one writer
-per file, read-decide-write inside one `BEGIN IMMEDIATE` transaction is atomic.
+WAL lets run beside the writer. An flock on the database file itself keeps a second gateway
+process off it: with one writer per file, read-decide-write inside one `BEGIN IMMEDIATE`
+transaction is atomic.
 """
 
 from __future__ import annotations
