@@ -73,17 +73,24 @@ async def sign_in(gw: InProcessGateway, role: str) -> tuple[int, Any, str]:
 
 
 async def lost_call(gw: InProcessGateway, upstream: RecordingUpstream, key: str) -> str:
-    """A call on ledger/r1 whose answer is lost, past its grace; its receipt id."""
+    """A call on ledger/r1 whose answer is lost, past its grace; its receipt id. A call that
+    never reached the tool within the short timeout (a pause of a loaded test process:
+    `not_sent`, `upstream_unreachable`) is no lost call: it is made again, under a new key."""
     upstream.script("/api/ops", Behavior(action="close"))
-    headers = {
-        "X-Lease-Resource": "ledger/r1",
-        "X-Fence-Token": "1",
-        "Idempotency-Key": key,
-        "Proxy-Authorization": f"Bearer {KEYS['agent']}",
-    }
-    async with gw.client.post("/tool/ops", data=b"{}", headers=headers) as r:
-        assert r.status == 502, await r.text()
-        receipt_id = r.headers["X-Receipt-Id"]
+    for attempt in range(3):
+        headers = {
+            "X-Lease-Resource": "ledger/r1",
+            "X-Fence-Token": "1",
+            "Idempotency-Key": f"{key}-{attempt}" if attempt else key,
+            "Proxy-Authorization": f"Bearer {KEYS['agent']}",
+        }
+        async with gw.client.post("/tool/ops", data=b"{}", headers=headers) as r:
+            assert r.status == 502, await r.text()
+            problem = await r.json(content_type=None)
+            receipt_id = r.headers["X-Receipt-Id"]
+        if problem["code"] != "upstream_unreachable":
+            break
+    assert problem["code"] == "upstream_outcome_unknown", problem
     upstream.script("/api/ops", Behavior(status=201))
     await asyncio.sleep(TIMEOUT_S + 0.05)
     return receipt_id
