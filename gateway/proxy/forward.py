@@ -213,13 +213,14 @@ async def _record_over(
     recorded (on a shared store the next call would find this one still pending and wait for
     it there). Relaying the answer to the client holds up no one (docs/contract.md §3,
     "Ordering on takeover": forwarded one at a time)."""
-    store = app[appkeys.STORE]
-    if over and store.writes_in_order:
+    if not over:
+        return await record(app, receipt_id, outcome)
+    if app[appkeys.STORE].writes_in_order:
         # the next call resumes once this one yields, which is in the committer's queue
         place.release_turn()
+        return await record(app, receipt_id, outcome)
     recorded = await record(app, receipt_id, outcome)
-    if over:
-        place.release_turn()
+    place.release_turn()
     return recorded
 
 

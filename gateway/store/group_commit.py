@@ -65,7 +65,8 @@ _STOP = None  # put on the writer's queue: the writer loop ends
 class GroupCommitter:
     """Batches are made on the event loop, one at a time: the next begins once the writer
     thread has committed the last and is done with the connection (`_next`). A call costs an
-    append to a list and its share of one hand-off to the writer and one back."""
+    append to a list and its share of a batch's hand-offs: one to the writer, two back (its
+    answers, then the connection once upkeep between batches is done)."""
 
     def __init__(
         self,

@@ -210,8 +210,9 @@ class Reply(web.StreamResponse):
     def _head(self) -> bytes:
         self._started = self._request.replied = True
         headers, status = self.headers, self.status
-        self._no_body = _bodiless(status, to_head=self._request.method == "HEAD")
-        if _bodiless(status, to_head=False):  # no body, and no length of one (RFC 9110)
+        bodiless_status = _bodiless(status, to_head=False)
+        self._no_body = bodiless_status or self._request.method == "HEAD"
+        if bodiless_status:  # no body, and no length of one (RFC 9110)
             headers.popall("Content-Length", None)
         elif "Content-Length" not in headers and not self._no_body:
             headers["Transfer-Encoding"] = "chunked"

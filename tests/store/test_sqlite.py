@@ -176,7 +176,8 @@ def _writes(seen: list[str]) -> list[str]:
 
 
 class TestWriterWork:
-    """What the writer thread runs per call: few statements, and no checkpoint in a commit."""
+    """What a call runs on the writer connection: few statements, and no checkpoint in a
+    commit."""
 
     async def test_a_new_call_is_one_read_and_two_writes(self, tmp_path: Path) -> None:
         store = SqliteStore(tmp_path / "gw.db", instance="one")
