@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 
 from tests.bench import costs, fsyncs, wrk
 from tests.bench.nginx import nginx
@@ -57,6 +58,7 @@ MEMORY_CALLS = int(os.environ.get("BENCH_MEMORY_CALLS", "100000" if QUICK else "
 MEMORY_RESOURCES = int(os.environ.get("BENCH_MEMORY_RESOURCES", "10000" if QUICK else "100000"))
 RETENTION_S = 30  # the bench's gateways keep receipts and keys this long: a steady database
 COSTS = os.environ.get("BENCH_COSTS", "1") not in ("", "0")
+SETTLE_AFTER_FLOOD_S = 2.0
 PROBE_CONNECTIONS = 16  # beside the 2,000: the latency of calls that were admitted
 
 
@@ -70,6 +72,7 @@ class Measure:
     gateway: GatewayProcess | None = None
     fsyncs_here: bool = True
     probe: str | None = None  # a fenced-POST URL for the admitted-latency probe
+    vacuum: str | None = None  # a PostgreSQL store's URL, vacuumed before each measurement
     results: list[wrk.Result] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     fsync_counts: list[int] = field(default_factory=list)
@@ -172,36 +175,61 @@ async def acquire_leases(session: aiohttp.ClientSession, url: str) -> tuple[str,
     return ("bench", *fences)
 
 
-async def probe(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
+async def probe(url: str, stop: asyncio.Event) -> list[float]:
     """Fenced POSTs on PROBE_CONNECTIONS connections while wrk runs; the latencies (s) of those
-    that were admitted (200). wrk's own percentiles mix them with the fast 503s. The probe is
-    a client that keeps to the protocol: a shed call is sent again after its Retry-After (a
-    connection that sends sooner waits that second out unread: gateway.server.overload)."""
+    that were admitted (200). wrk's own percentiles mix them with the fast 503s. Each worker
+    is a client that keeps to the protocol on a connection of its own: a shed call is sent
+    again after its Retry-After. (From a pool shared by the workers, another worker's call
+    could take the connection of one just shed, which the gateway does not read again
+    before that second is over, gateway.server.overload: its latency would be the shed
+    call's wait, not its own.)"""
     latencies: list[float] = []
 
     async def one(worker: int) -> None:
         n = 0
-        while not stop.is_set():
-            n += 1
-            headers = {"X-Lease-Resource": f"par/probe{worker}", "X-Fence-Token": "1"}
-            body = b'{"probe": "%s", "n": %d}' % (secrets.token_hex(6).encode(), n)
-            started = time.perf_counter()
-            try:
-                async with session.post(url, headers=headers, data=body) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        latencies.append(time.perf_counter() - started)
-                    else:
-                        await asyncio.sleep(float(resp.headers.get("Retry-After", "0.01")))
-            except (aiohttp.ClientError, OSError):
-                await asyncio.sleep(0.01)
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            while not stop.is_set():
+                n += 1
+                headers = {"X-Lease-Resource": f"par/probe{worker}", "X-Fence-Token": "1"}
+                body = b'{"probe": "%s", "n": %d}' % (secrets.token_hex(6).encode(), n)
+                started = time.perf_counter()
+                try:
+                    async with session.post(url, headers=headers, data=body) as resp:
+                        await resp.read()
+                        if resp.status == 200:
+                            latencies.append(time.perf_counter() - started)
+                        else:
+                            await asyncio.sleep(float(resp.headers.get("Retry-After", "0.01")))
+                except (aiohttp.ClientError, OSError):
+                    await asyncio.sleep(0.01)
 
     await asyncio.gather(*(one(i) for i in range(PROBE_CONNECTIONS)))
     return latencies
 
 
-async def measure(session: aiohttp.ClientSession, m: Measure, perf: bool) -> None:
+async def autovacuum_off(url: str) -> bool:
+    conn = await asyncpg.connect(url)
+    try:
+        return bool(await conn.fetchval("SHOW autovacuum") == "off")
+    finally:
+        await conn.close()
+
+
+async def vacuum(url: str) -> None:
+    """What autovacuum does on a server that runs it (PostgreSQL's default; a server for
+    tests may turn it off): the dead rows of the tables every call writes taken away."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("VACUUM receipts, idempotency_keys, fences")
+    finally:
+        await conn.close()
+
+
+async def measure(m: Measure, perf: bool) -> None:
     pid = m.gateway.proc.pid if m.gateway is not None and m.gateway.proc else None
+    if m.vacuum is not None:
+        await vacuum(m.vacuum)
     run = wrk.run(m.url, connections=m.connections, seconds=SECONDS, script=m.script, args=m.args())
     if pid is None:
         m.results.append(await run)
@@ -210,7 +238,7 @@ async def measure(session: aiohttp.ClientSession, m: Measure, perf: bool) -> Non
     stop = asyncio.Event()
     async with fsyncs.counting(pid, perf and m.fsyncs_here) as count:
         cpu = cpu_seconds(pid)
-        probing = asyncio.ensure_future(probe(session, m.probe, stop)) if m.probe else None
+        probing = asyncio.ensure_future(probe(m.probe, stop)) if m.probe else None
         result = await run
         used = cpu_seconds(pid) - cpu
         stop.set()
@@ -218,6 +246,10 @@ async def measure(session: aiohttp.ClientSession, m: Measure, perf: bool) -> Non
             latencies = await probing
             if len(latencies) >= 2:
                 m.probe_p99.append(statistics.quantiles(latencies, n=100)[98] * 1000)
+    if m.connections > CONNECTIONS:
+        # the flood's admitted calls still finishing, and the limit they brought down, would
+        # meet the next measurement's first calls
+        await asyncio.sleep(SETTLE_AFTER_FLOOD_S)
     m.results.append(result)
     m.cpu_us.append(used / max(result.requests, 1) * 1e6)
     m.rss_mib.append(memory_mib(pid))
@@ -476,6 +508,8 @@ async def run() -> str:
                        CONNECTIONS, "fenced.lua", spread),
                 ]  # fmt: skip
                 pg_rows[0].fsyncs_here = pg_rows[1].fsyncs_here = False
+                if await autovacuum_off(pg_one):
+                    pg_rows[0].vacuum, pg_rows[1].vacuum = pg_one, pg_workers
                 pg_rows[1].gateway = None  # its CPU is two processes'
 
             measures = [m for kinds in base.values() for m in kinds.values()]
@@ -486,7 +520,7 @@ async def run() -> str:
             for r in range(ROUNDS):
                 shift = r * len(measures) // ROUNDS
                 for m in measures[shift:] + measures[:shift]:
-                    await measure(session, m, perf)
+                    await measure(m, perf)
                 print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
 
             rows = []
@@ -522,7 +556,10 @@ async def run() -> str:
             overload_cells = cells(overload, base["post"]["peer"], base["post"].get("nginx"))
             overload_cells[-1] = note  # every 503 counts as non-2xx in wrk: said above
             rows.append(overload_cells)
-            rows += [cells(m, base["post"]["peer"], base["post"].get("nginx")) for m in pg_rows]
+            for m in pg_rows:
+                note = "its tables vacuumed before each measurement (the server runs no autovacuum)"
+                rows.append(cells(m, base["post"]["peer"], base["post"].get("nginx"),
+                                  note if m.vacuum else ""))  # fmt: skip
             rows.append(await memory_row(root, policy))
             syncs.append(fsyncs.fdatasync_ms(root))
             cost_rows = await costs.table(upstream) if COSTS and costs.available() else None

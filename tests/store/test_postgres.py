@@ -2,6 +2,7 @@
 database across several stores (replicas) on one database (docs/contract.md §14)."""
 
 import asyncio
+import logging
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,20 @@ class TestDurability:
             assert (await relaxed.acquire("r/1", "a", 30, 0, None, None)).result == "acquired"
         finally:
             await relaxed.close()
+
+    async def test_a_server_without_autovacuum_is_warned_of(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A server-wide setting (it cannot be set for one database): the warning is asked of
+        # whichever way this server has it.
+        [[autovacuum]] = await sql(tmp_path, "SHOW autovacuum")
+        store = make_store("postgres", tmp_path)
+        with caplog.at_level(logging.WARNING, logger="fence_gateway"):
+            await store.open()
+        await store.close()
+        warned = [r for r in caplog.records if r.getMessage() == "postgres_autovacuum_off"]
+        assert len(warned) == (autovacuum == "off")
+        assert all("vacuumed" in r.fields["detail"] for r in warned)  # type: ignore[attr-defined]
 
     async def test_a_failing_commit_writes_nothing(self, tmp_path: Path) -> None:
         failing = {"on": False}
