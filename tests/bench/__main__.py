@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import asyncpg
 
 from tests.bench import costs, fsyncs, wrk
 from tests.bench.nginx import nginx
@@ -72,7 +71,6 @@ class Measure:
     gateway: GatewayProcess | None = None
     fsyncs_here: bool = True
     probe: str | None = None  # a fenced-POST URL for the admitted-latency probe
-    vacuum: str | None = None  # a PostgreSQL store's URL, vacuumed before each measurement
     results: list[wrk.Result] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     fsync_counts: list[int] = field(default_factory=list)
@@ -208,28 +206,8 @@ async def probe(url: str, stop: asyncio.Event) -> list[float]:
     return latencies
 
 
-async def autovacuum_off(url: str) -> bool:
-    conn = await asyncpg.connect(url)
-    try:
-        return bool(await conn.fetchval("SHOW autovacuum") == "off")
-    finally:
-        await conn.close()
-
-
-async def vacuum(url: str) -> None:
-    """What autovacuum does on a server that runs it (PostgreSQL's default; a server for
-    tests may turn it off): the dead rows of the tables every call writes taken away."""
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute("VACUUM receipts, idempotency_keys, fences")
-    finally:
-        await conn.close()
-
-
 async def measure(m: Measure, perf: bool) -> None:
     pid = m.gateway.proc.pid if m.gateway is not None and m.gateway.proc else None
-    if m.vacuum is not None:
-        await vacuum(m.vacuum)
     run = wrk.run(m.url, connections=m.connections, seconds=SECONDS, script=m.script, args=m.args())
     if pid is None:
         m.results.append(await run)
@@ -508,8 +486,6 @@ async def run() -> str:
                        CONNECTIONS, "fenced.lua", spread),
                 ]  # fmt: skip
                 pg_rows[0].fsyncs_here = pg_rows[1].fsyncs_here = False
-                if await autovacuum_off(pg_one):
-                    pg_rows[0].vacuum, pg_rows[1].vacuum = pg_one, pg_workers
                 pg_rows[1].gateway = None  # its CPU is two processes'
 
             measures = [m for kinds in base.values() for m in kinds.values()]
@@ -556,10 +532,7 @@ async def run() -> str:
             overload_cells = cells(overload, base["post"]["peer"], base["post"].get("nginx"))
             overload_cells[-1] = note  # every 503 counts as non-2xx in wrk: said above
             rows.append(overload_cells)
-            for m in pg_rows:
-                note = "its tables vacuumed before each measurement (the server runs no autovacuum)"
-                rows.append(cells(m, base["post"]["peer"], base["post"].get("nginx"),
-                                  note if m.vacuum else ""))  # fmt: skip
+            rows += [cells(m, base["post"]["peer"], base["post"].get("nginx")) for m in pg_rows]
             rows.append(await memory_row(root, policy))
             syncs.append(fsyncs.fdatasync_ms(root))
             cost_rows = await costs.table(upstream) if COSTS and costs.available() else None
