@@ -3,6 +3,7 @@ cleanup_ctx so that its cleanup runs if and only if its start-up finished."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from gateway.config.clients import Clients
 from gateway.config.policy import PolicySet
 from gateway.config.settings import Settings
 from gateway.console.mount import mount as mount_console
+from gateway.observe import logs
 from gateway.observe.metrics import Metrics
 from gateway.proxy import appkeys, handler, sessions
 from gateway.proxy.failpoints import Failpoints
@@ -71,6 +73,8 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         connect_timeout_s=settings.database_connect_timeout_s,
     )
     await store.open()
+    for event, detail in store.open_warnings:
+        logs.event(event, logging.WARNING, detail=detail)
     app[appkeys.STORE] = store
     count_lost(app, store.recovered)
     yield

@@ -322,6 +322,8 @@ class Store(Protocol):
     # Writes commit in the order they were asked for: one asked for before another is durable
     # no later than it (one writer, one queue)
     writes_in_order: bool
+    # What `open` found that works but should not be so, for the server to log: (event, detail)
+    open_warnings: tuple[tuple[str, str], ...]
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...

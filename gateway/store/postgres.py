@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -45,7 +44,6 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.fences import Issuer
 from gateway.core.floors import DEFAULT_GAP
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
-from gateway.observe import logs
 from gateway.store import checkpoint_rows as cp
 from gateway.store import pg_epochs, pg_sync, postgres_floors
 from gateway.store.base import (
@@ -350,6 +348,7 @@ def _admission_args(
 class PostgresStore:
     shared = True  # any number of replicas admit calls on one database
     writes_in_order = False  # each on a pooled connection of its own
+    open_warnings: tuple[tuple[str, str], ...] = ()
 
     def __init__(
         self,
@@ -431,7 +430,7 @@ class PostgresStore:
                             f"to be on, remote_write or remote_apply; it is {setting!r}"
                         )
                 if await conn.fetchval("SHOW autovacuum") == "off":
-                    logs.event("postgres_autovacuum_off", logging.WARNING, detail=_NO_AUTOVACUUM)
+                    self.open_warnings = (("postgres_autovacuum_off", _NO_AUTOVACUUM),)
                 async with conn.transaction():
                     await self._migrate(conn)
                     last = await conn.fetchval("SELECT max(id) FROM receipts")

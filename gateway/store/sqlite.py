@@ -170,6 +170,7 @@ def lock_database(path: Path) -> int:
 class SqliteStore:
     shared = False  # one process per database: its lanes see every call in flight
     writes_in_order = True  # one group committer, first come first committed
+    open_warnings: tuple[tuple[str, str], ...] = ()
 
     def __init__(
         self,

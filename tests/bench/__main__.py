@@ -225,8 +225,8 @@ async def measure(m: Measure, perf: bool) -> None:
             if len(latencies) >= 2:
                 m.probe_p99.append(statistics.quantiles(latencies, n=100)[98] * 1000)
     if m.connections > CONNECTIONS:
-        # the flood's admitted calls still finishing, and the limit they brought down, would
-        # meet the next measurement's first calls
+        # the flood's last admitted calls, still finishing, hold the limit's places: the next
+        # measurement's first calls would be shed (seen: 3 of them, and a p99 of 474 ms)
         await asyncio.sleep(SETTLE_AFTER_FLOOD_S)
     m.results.append(result)
     m.cpu_us.append(used / max(result.requests, 1) * 1e6)
