@@ -115,6 +115,8 @@ COMMAND_TIMEOUT_S = 30.0
 PRUNE_BATCH = 1000
 _RETRIES = 3  # a deadlock or serialization failure is retried this many times in all
 _DURABLE_SETTINGS = ("on", "remote_write", "remote_apply")
+# The server's settings `open` looks at, in one round trip
+_SETTINGS = "SELECT current_setting('synchronous_commit'), current_setting('autovacuum')"
 # Receipts and keys are written, updated and pruned all day: each call leaves dead row versions
 # behind in their tables and indexes, which only VACUUM takes away. Without autovacuum they
 # pile up without bound, and every admission's index look-ups walk over them (measured after
@@ -422,14 +424,13 @@ class PostgresStore:
             raise StoreUnavailable(f"cannot connect to PostgreSQL: {_one_line(exc)}") from exc
         try:
             async with self._pool.acquire() as conn:
-                if not self._relaxed:
-                    setting = await conn.fetchval("SHOW synchronous_commit")
-                    if setting not in _DURABLE_SETTINGS:
-                        raise PostgresStartupError(
-                            f"durability strict needs the PostgreSQL setting synchronous_commit "
-                            f"to be on, remote_write or remote_apply; it is {setting!r}"
-                        )
-                if await conn.fetchval("SHOW autovacuum") == "off":
+                synchronous_commit, autovacuum = await conn.fetchrow(_SETTINGS)
+                if not self._relaxed and synchronous_commit not in _DURABLE_SETTINGS:
+                    raise PostgresStartupError(
+                        f"durability strict needs the PostgreSQL setting synchronous_commit "
+                        f"to be on, remote_write or remote_apply; it is {synchronous_commit!r}"
+                    )
+                if autovacuum == "off":
                     self.open_warnings = (("postgres_autovacuum_off", _NO_AUTOVACUUM),)
                 async with conn.transaction():
                     await self._migrate(conn)

@@ -4,8 +4,8 @@ docs/contract.md §9 (SIGTERM drains calls in flight and exits 0; a second proce
 SQLite file refuses to start), §10 (healthz, readyz, metrics, JSON logs, the open-bind
 refusal), §5 (oversized heads, parser refusals, the head and body timeouts) and §7 (bad
 receipt-list parameters are `400 invalid_request`). The gateway runs as a subprocess, except
-in the last classes, which run it in process (`make_app`) to read its metrics registry or to
-start it on a store written beforehand.
+in the last classes, which run it in process (`make_app`) to read its metrics registry or its
+log, or to start it on a store written beforehand.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -525,3 +526,22 @@ class TestMetricsInProcess:
             make_policy(upstream.url, [{"match": "acct/*"}]), instance_id="two", sweep_interval_s=1
         )
         assert gw.metric("fence_gateway_outcome_unknown_total", upstream="tool") == 1
+
+
+class TestStartupWarnings:
+    """§10: what the store found at open that works but should not be so (a PostgreSQL server
+    without autovacuum: tests/store/test_postgres.py) is a WARNING line of the server's."""
+
+    async def test_the_stores_warnings_are_logged_at_start(
+        self, upstream, make_app, monkeypatch, caplog
+    ):
+        found = (("store_found_this", "a detail"), ("store_found_that", "another"))
+        monkeypatch.setattr(SqliteStore, "open_warnings", found)
+        with caplog.at_level(logging.WARNING, logger="fence_gateway"):
+            await make_app(make_policy(upstream.url, [{"match": "acct/*"}]))
+        logged = [
+            (r.getMessage(), r.fields["detail"])
+            for r in caplog.records
+            if r.getMessage().startswith("store_found_") and r.levelno == logging.WARNING
+        ]
+        assert logged == list(found)

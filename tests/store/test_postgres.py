@@ -2,18 +2,15 @@
 database across several stores (replicas) on one database (docs/contract.md §14)."""
 
 import asyncio
-import logging
 import random
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gateway.core.errors import StoreUnavailable
 from gateway.store import create_store
 from gateway.store.base import Admitted, Refused
-from tests.harness import RecordingUpstream, make_policy
 from tests.store.conftest import make_store, pg_database
 from tests.store.test_contract import call, ok
 
@@ -93,20 +90,6 @@ class TestDurability:
         events = [event for event, _ in store.open_warnings]
         assert events == (["postgres_autovacuum_off"] if autovacuum == "off" else [])
         assert all("vacuumed" in detail for _, detail in store.open_warnings)
-
-    async def test_the_server_logs_what_the_store_warned_of(
-        self,
-        tmp_path: Path,
-        make_app: Any,
-        upstream: RecordingUpstream,
-        caplog: pytest.LogCaptureFixture,
-    ) -> None:
-        [[autovacuum]] = await sql(tmp_path, "SHOW autovacuum")
-        policy = make_policy(upstream.url, [{"match": "r/*"}])
-        with caplog.at_level(logging.WARNING, logger="fence_gateway"):
-            await make_app(policy, database_url=pg_database(tmp_path))
-        warned = [r for r in caplog.records if r.getMessage() == "postgres_autovacuum_off"]
-        assert len(warned) == (autovacuum == "off")
 
     async def test_a_failing_commit_writes_nothing(self, tmp_path: Path) -> None:
         failing = {"on": False}
