@@ -2,8 +2,8 @@
 §3).
 
 A fenced call's checks run cheapest first (headers, body, signature) and only then does it
-wait for a turn; every refusal before admission is kept as a `rejected` receipt in one place
-(`_checked`). From admission on, the call takes the one path every admitted call takes
+wait for a turn; every refusal before admission is kept as a `rejected` receipt
+(`checks.keep_rejection`). From admission on, the call takes the one path every admitted call takes
 (`gateway.proxy.forward`). A WebSocket upgrade to an upstream that takes them is a session
 (`gateway.proxy.sessions`, §15); a CDP discovery answer is rewritten on its way back
 (`gateway.proxy.cdp`).
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable
 
 from aiohttp import web
 
@@ -24,7 +23,6 @@ from gateway.observe import logs
 from gateway.proxy import appkeys, cdp, checks, headers, mcp, sessions
 from gateway.proxy.flow import Flow
 from gateway.proxy.forward import admit, forward, take_turn
-from gateway.proxy.ordering import Place
 from gateway.proxy.relay import (
     STREAMED,
     Head,
@@ -54,14 +52,16 @@ async def handle(request: web.Request) -> web.StreamResponse:
     return await _dispatch(request, flow, found)
 
 
-async def _dispatch(request: web.Request, flow: Flow, found: Route) -> web.StreamResponse:
+def _dispatch(request: web.Request, flow: Flow, found: Route) -> Awaitable[web.StreamResponse]:
+    """The path the call takes: its coroutine, for the caller to await (one frame fewer in
+    the stack every wait of the call resumes)."""
     if found.websocket:
-        return await sessions.handle(request, flow, found.upstream)
+        return sessions.handle(request, flow, found.upstream)
     if found.upstream.mcp:  # fenced per tool call, not per method (docs/contract.md §16)
-        return await mcp.handle(request, flow, found.upstream)
+        return mcp.handle(request, flow, found.upstream)
     if request.method in request.app[appkeys.POLICIES].fenced_methods[found.upstream.name]:
-        return await _fenced(request, flow, found.upstream)
-    return await _plain(request, flow, found.upstream)
+        return _fenced(request, flow, found.upstream)
+    return _plain(request, flow, found.upstream)
 
 
 async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
@@ -82,7 +82,14 @@ async def _plain(request: web.Request, flow: Flow, upstream: Upstream) -> web.St
 
 async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.StreamResponse:
     app = request.app
-    async with _checked(request, flow, upstream) as (call, body, place):
+    rule, call, body = await _checked(request, flow, upstream)
+    # the place is held until the call's outcome is recorded
+    async with app[appkeys.LANES].join(call.resource) as place:
+        try:  # step 3c
+            await take_turn(rule, call.resource, place)
+        except errors.GatewayError as busy:
+            await checks.keep_rejection(request, flow, busy)
+            raise
         if request.transport is None or request.transport.is_closing():
             # nobody hears the answer: the call is not admitted, so nothing is forwarded
             raise errors.InvalidRequest("the client went away before admission")
@@ -115,13 +122,12 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
         return response
 
 
-@asynccontextmanager
 async def _checked(
     request: web.Request, flow: Flow, upstream: Upstream
-) -> AsyncIterator[tuple[Call, bytes, Place]]:
-    """Steps 1 to 3c: the headers, the body and the signature, then the turn in the
-    resource's place. A refusal here, once resource and fence are readable, is kept as a
-    `rejected` receipt; the place is held until the call's outcome is recorded."""
+) -> tuple[ResourceRule, Call, bytes]:
+    """Steps 1 to 3b: the headers, the body and the signature; the rule, the call to admit
+    and its body. A refusal here, once resource and fence are readable, is kept as a `rejected`
+    receipt."""
     app = request.app
     try:
         rule = checks.rule_of(request, flow, upstream)
@@ -146,13 +152,7 @@ async def _checked(
         rule.idempotency.retry_statuses,
         app[appkeys.CLIENTS] is not None,
     )
-    async with app[appkeys.LANES].join(resource) as place:
-        try:
-            await take_turn(rule, resource, place)
-        except errors.GatewayError as error:
-            await checks.keep_rejection(request, flow, error)
-            raise
-        yield call, body, place
+    return rule, call, body
 
 
 async def _replay(request: web.Request, flow: Flow, replayed: Replayed) -> web.StreamResponse:

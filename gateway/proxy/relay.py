@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ipaddress
 from dataclasses import dataclass
+from itertools import chain
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -227,7 +228,8 @@ def _never_waits(request: web.Request, response: web.StreamResponse, body: bytes
         room = transport.get_write_buffer_limits()[1] - transport.get_write_buffer_size()
     except NotImplementedError:  # a transport that does not say: any write may wait
         return False
-    head = sum(len(name) + len(value) + 4 for name, value in response.headers.items())
+    fields = response.headers
+    head = sum(map(len, chain.from_iterable(fields.items()))) + 4 * len(fields)
     return head + len(body) + _STATUS_AND_ADDED <= min(room, _WRITE_LIMIT)
 
 
@@ -281,10 +283,9 @@ async def stream_back(
         if isinstance(request, Incoming)
         else _WrittenWithBody(status=head.status)
     )
-    for name, value in head.headers:
-        response.headers.add(name, value)
-    for name, value in extra.items():
-        response.headers[name] = value
+    answered = response.headers
+    answered.extend(head.headers)
+    answered.update(extra)  # each replaces any value of that name from the tool
     # with what else of the body is in already: an answer that is all in goes out whole in
     # one write, with the head
     first = head.prefix

@@ -31,13 +31,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+def authenticate(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
     """Name the client of every call and check its role for the path (docs/contract.md §3,
-    step 1)."""
+    step 1). The checks need no waiting: the handler's awaitable is given back, not awaited
+    here, which keeps a coroutine out of every call's stack (each wait of a call resumes the
+    whole stack)."""
     clients = request.app[appkeys.CLIENTS]
     path = request.path
     if clients is None or path in OPEN_PATHS or _is_console(path):
-        return await handler(request)
+        return handler(request)
     if path.startswith("/_gateway/"):
         client = clients.identify(
             request.headers.getall("Authorization", [])
@@ -49,7 +51,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
         checks.identify_caller(request)
     # else: an MCP message's body is read and checked first, then its caller
     # (docs/contract.md §16, "Order of checks"): `gateway.proxy.mcp.handle` asks
-    return await handler(request)
+    return handler(request)
 
 
 def _is_console(path: str) -> bool:

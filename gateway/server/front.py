@@ -11,7 +11,7 @@ does not route is aiohttp's too: it is answered 404 there, as always.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 from aiohttp import web
@@ -28,8 +28,8 @@ from gateway.server.overload import LIMIT, InflightLimit, ShedAnswer
 from gateway.wire.incoming import Incoming, Reply, whole
 
 
-async def _authenticated(request: web.Request) -> web.StreamResponse:
-    return await authenticate(request, handler.handle)
+def _authenticated(request: web.Request) -> Awaitable[web.StreamResponse]:
+    return authenticate(request, handler.handle)
 
 
 class FrontDispatch:

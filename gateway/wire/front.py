@@ -51,15 +51,20 @@ _MAX_HEAD = 8 * 1024
 _MAX_FIELDS = 100
 # Bytes kept waiting while a call is in progress before reading from the client pauses.
 _HIGH_WATER = 256 * 1024
-_TOKEN = re.compile(HTTP_TOKEN.encode())
-_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-_TARGET = re.compile(rb"/[\x21-\x7e]*")
-_DIGITS = re.compile(rb"[0-9]{1,15}")
+# The whole of a head the front frames, in one match: a method, an origin-form ASCII target,
+# HTTP/1.1, then at most _MAX_FIELDS header lines, each a token, a colon and a value of
+# visible characters, spaces and tabs (and obs-text), every line ending in CRLF. Anything
+# else (a bare CR or LF, a folded line, an absolute target) is aiohttp's to refuse or serve.
+_HEAD = re.compile(
+    rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ (/[\x21-\x7e]*) HTTP/1\.1\r\n"
+    rb"(?:" + HTTP_TOKEN.encode() + rb":[\t\x20-\x7e\x80-\xff]*\r\n){1,%d}\r\n" % _MAX_FIELDS
+)
+_DIGITS = re.compile(r"[0-9]{1,15}")
 # Headers that make a request the front does not frame: aiohttp's
-_NOT_FRAMED = frozenset({b"transfer-encoding", b"upgrade", b"expect"})
+_NOT_FRAMED = frozenset({"transfer-encoding", "upgrade", "expect"})
 # Headers aiohttp's parsers refuse to see twice: a head with two of one goes to aiohttp,
 # which refuses it as it always did; so does one without Host.
-_ONCE = frozenset(name.lower().encode() for name in SINGLETON_HEADERS)
+_ONCE = frozenset(name.lower() for name in SINGLETON_HEADERS)
 
 
 class Dispatch(Protocol):
@@ -92,20 +97,12 @@ class Dispatch(Protocol):
         transport after answering it with the connection kept open."""
 
 
-class _Head:
-    """httptools' callbacks for one head: the target and the header lines."""
+class _NotTold:
+    """httptools' callbacks for a head the front has matched already: none (each would be
+    a Python call per header line)."""
 
-    __slots__ = ("fields", "target")
 
-    def __init__(self) -> None:
-        self.target = b""
-        self.fields: list[tuple[bytes, bytes]] = []
-
-    def on_url(self, url: bytes) -> None:
-        self.target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.fields.append((name, value))
+_NOT_TOLD = _NotTold()
 
 
 class Front(asyncio.Protocol):
@@ -283,27 +280,27 @@ class Front(asyncio.Protocol):
     ) -> tuple[str, str, CIMultiDictProxy[str], int | None, bool] | None:
         """The method, target, headers, Content-Length and `Connection: close` of a head the
         front frames; None for any other (aiohttp's)."""
-        if head.count(b"\n") != head.count(b"\r\n"):
-            return None  # a bare LF
-        fields = _Head()
-        parser = httptools.HttpRequestParser(fields)
+        shape = _HEAD.fullmatch(head)
+        if shape is None:
+            return None
+        parser = httptools.HttpRequestParser(_NOT_TOLD)
         try:
-            parser.feed_data(head)
+            parser.feed_data(head)  # the method, and llhttp's own strictness over the rest
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
             return None  # refused, or CONNECT (a tunnel): aiohttp's to answer
-        if parser.get_http_version() != "1.1" or parser.should_upgrade():
+        if parser.should_upgrade():
             return None
-        target = fields.target
-        if not _TARGET.fullmatch(target) or len(fields.fields) > _MAX_FIELDS:
-            return None
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError:
+            return None  # aiohttp refuses it, as it always did (gateway.server)
         length: int | None = None
         close = False
-        seen: set[bytes] = set()
+        seen: set[str] = set()
         pairs: list[tuple[str, str]] = []
-        for name, value in fields.fields:
-            value = value.strip(b" \t")
-            if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
-                return None
+        for line in text[shape.end(1) + 11 : -4].split("\r\n"):  # past " HTTP/1.1\r\n"
+            name, _, value = line.partition(":")
+            value = value.strip(" \t")
             lowered = name.lower()
             if lowered in _NOT_FRAMED:
                 return None
@@ -311,23 +308,24 @@ class Front(asyncio.Protocol):
                 if lowered in seen:
                     return None
                 seen.add(lowered)
-            if lowered == b"content-length":
-                if not _DIGITS.fullmatch(value):
-                    return None
-                length = int(value)
-            elif lowered == b"connection":
-                close = close or b"close" in (t.strip().lower() for t in value.split(b","))
-            try:
-                pairs.append((name.decode("ascii"), value.decode("utf-8")))
-            except UnicodeDecodeError:
-                return None  # aiohttp refuses it, as it always did (gateway.server)
-        if b"host" not in seen:
+                if lowered == "content-length":
+                    if not _DIGITS.fullmatch(value):
+                        return None
+                    length = int(value)
+            elif lowered == "connection":
+                close = close or "close" in (t.strip().lower() for t in value.split(","))
+            pairs.append((name, value))
+        if "host" not in seen:
             return None
-        method, target_text = parser.get_method().decode("ascii"), target.decode("ascii")
-        headers = CIMultiDictProxy(CIMultiDict(pairs))
         # HTTP/1.1 keeps the connection unless the client says close (httptools' own answer
         # is lost once a message without a body has ended within the head)
-        return method, target_text, headers, length, close
+        return (
+            text[: shape.start(1) - 1],
+            text[shape.start(1) : shape.end(1)],
+            (CIMultiDictProxy(CIMultiDict(pairs))),
+            length,
+            close,
+        )
 
     def _feed_body(self) -> None:
         take = min(self._body_left, len(self._buffer))
