@@ -52,6 +52,9 @@ class Lane:
 class Lanes:
     def __init__(self) -> None:
         self._lanes: dict[str, Lane] = {}
+        # calls waiting for their turn in a serial resource: in progress, but doing nothing
+        # until the call ahead is done (gateway.store.group_commit counts the calls at work)
+        self.waiting_turns = 0
 
     def __len__(self) -> int:
         return len(self._lanes)
@@ -64,7 +67,7 @@ class Lanes:
         if lane is None:
             lane = self._lanes[resource] = Lane()
         lane.users += 1
-        return Place(lane, self._lanes, resource)
+        return Place(lane, self, resource)
 
 
 class Place:
@@ -72,7 +75,7 @@ class Place:
 
     __slots__ = ("_cut", "_lane", "_lanes", "_resource", "_turn_taken", "fence")
 
-    def __init__(self, lane: Lane, lanes: dict[str, Lane], resource: str) -> None:
+    def __init__(self, lane: Lane, lanes: Lanes, resource: str) -> None:
         self._lane = lane
         self._lanes = lanes
         self._resource = resource
@@ -88,7 +91,7 @@ class Place:
         lane = self._lane
         lane.users -= 1
         if lane.users == 0:
-            del self._lanes[self._resource]
+            del self._lanes._lanes[self._resource]
 
     @property
     def cut(self) -> Callable[[ClosedBy], None] | None:
@@ -105,11 +108,15 @@ class Place:
 
     async def take_turn(self, timeout_s: float) -> bool:
         """Wait for this call's turn in a serial resource; False when `timeout_s` passed."""
+        lanes = self._lanes
+        lanes.waiting_turns += 1
         try:
             async with asyncio.timeout(timeout_s):
                 await self._lane.turn.acquire()
         except TimeoutError:
             return False
+        finally:
+            lanes.waiting_turns -= 1
         self._turn_taken = True
         return True
 

@@ -61,11 +61,15 @@ async def _not_found(request: web.Request) -> web.Response:
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[appkeys.SETTINGS]
+    # the proxied calls in progress (counted whether limited or not), less those waiting for
+    # their turn: the calls at work, for SQLite's group commit
+    limit, lanes = app[overload.LIMIT], app[appkeys.LANES]
     store = create_store(
         settings.database_url,
         instance=settings.instance_id,
         durability=settings.durability,
         before_commit=app[appkeys.FAILPOINTS].in_commit,
+        active_calls=lambda: limit.in_flight - lanes.waiting_turns,
         heartbeat_interval_s=settings.sweep_interval_s,
         replication=settings.replication,
         sync_wait_s=settings.sync_wait_s,

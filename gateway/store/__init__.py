@@ -17,6 +17,7 @@ def create_store(
     instance: str,
     durability: str,
     before_commit: Callable[[], None] = lambda: None,
+    active_calls: Callable[[], int] | None = None,
     heartbeat_interval_s: float = 1.0,
     replication: Mode = "async",
     sync_wait_s: float = 5.0,
@@ -25,12 +26,17 @@ def create_store(
     start_timeout_s: float = 60.0,
 ) -> Store:
     """Backends are imported here, lazily, so a SQLite user never needs a PostgreSQL driver.
-    `replication` to `start_timeout_s` are PostgreSQL's (docs/contract.md §19)."""
+    `active_calls` is SQLite's (gateway.store.group_commit); `replication` to
+    `start_timeout_s` are PostgreSQL's (docs/contract.md §19)."""
     if url.startswith("sqlite:///"):
         from gateway.store.sqlite import SqliteStore, sqlite_path
 
         return SqliteStore(
-            sqlite_path(url), instance=instance, durability=durability, before_commit=before_commit
+            sqlite_path(url),
+            instance=instance,
+            durability=durability,
+            before_commit=before_commit,
+            active_calls=active_calls,
         )
     if url.startswith(("postgresql://", "postgres://")):
         try:

@@ -19,6 +19,13 @@ batch, after the COMMIT, to answer), each within the interpreter's switch interv
 server shortens (gateway.server.serve). An operation over many rows (`bulk`: a sweep's
 batch, a restore) runs in the writer thread, before the COMMIT, where SQLite's own work goes
 on beside the loop's.
+
+A batch that is all the work there is (every call at work, as `active_calls` counts them,
+waits in it, and none of its operations is bulk) is committed on the loop's thread itself:
+nothing else would run while the writer thread committed it, and the two hand-offs are
+saved, each the wake-up of a sleeping thread (one agent's calls one after the other: a fifth
+more calls a second here, and a fifth less CPU for each). The WAL's upkeep after such a
+batch, when due, still runs in the writer thread.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class _Batch:
 
 
 _STOP = None  # put on the writer's queue: the writer loop ends
+_UPKEEP = _Batch([], force_sync=False)  # put there after a batch committed on the loop
 
 
 class GroupCommitter:
@@ -76,13 +84,17 @@ class GroupCommitter:
         relaxed: bool,
         before_commit: Callable[[], None] = lambda: None,
         between_batches: Callable[[], None] = lambda: None,
+        upkeep_due: Callable[[], bool] = lambda: False,
+        active_calls: Callable[[], int] | None = None,
         max_batch: int = 512,
     ) -> None:
         self._conn = conn
         self._executor = executor
         self._relaxed = relaxed
         self._before_commit = before_commit
-        self._between_batches = between_batches
+        self._between_batches = between_batches  # upkeep, in the writer thread
+        self._upkeep_due = upkeep_due  # whether `between_batches` has anything to do
+        self._active_calls = active_calls  # None: never commit on the loop
         self._max_batch = max_batch
         self._waiting: list[_Pending] = []
         self._busy = False  # a batch is begun, or the writer still holds the connection
@@ -151,7 +163,29 @@ class GroupCommitter:
             batch.isolate = True
             with contextlib.suppress(sqlite3.Error):
                 conn.rollback()
-        self._batches.put(batch)
+        if self._alone(taken):
+            self._commit_here(batch)
+        else:
+            self._batches.put(batch)
+
+    def _alone(self, taken: list[_Pending]) -> bool:
+        """Whether the batch is all the work there is: every call at work waits in it."""
+        counted = self._active_calls
+        return (
+            counted is not None
+            and counted() <= len(taken)
+            and not any(pending.bulk for pending in taken)
+        )
+
+    def _commit_here(self, batch: _Batch) -> None:
+        """Commit on the loop's thread; the upkeep, when due, in the writer's."""
+        assert self._loop is not None
+        _run_commit(self._commit, batch)
+        self._loop.call_soon(self._answer, batch)
+        if self._upkeep_due():
+            self._batches.put(_UPKEEP)
+        else:
+            self._loop.call_soon(self._next)
 
     def _answer(self, batch: _Batch) -> None:
         self.batches += 1
@@ -187,14 +221,12 @@ class GroupCommitter:
                 continue
             if batch is None:
                 return
+            upkeep_only = batch is _UPKEEP  # after a batch committed on the loop's thread
+            if not upkeep_only:
+                _run_commit(self._commit, batch)
             try:
-                self._commit(batch)
-            except sqlite3.Error as exc:
-                _settle(batch.pending, StoreUnavailable(f"the store could not commit: {exc}"))
-            except Exception as exc:
-                _settle(batch.pending, exc)
-            try:
-                loop.call_soon_threadsafe(self._answer, batch)
+                if not upkeep_only:
+                    loop.call_soon_threadsafe(self._answer, batch)
                 # after the answers are on their way: upkeep holds up the next batch only;
                 # one that failed (a checkpoint) is tried again after the next batches
                 with contextlib.suppress(sqlite3.Error):
@@ -249,6 +281,16 @@ class GroupCommitter:
                     exc = StoreUnavailable(f"the store failed: {exc}")
                 pending.result = (False, exc)
             conn.execute("RELEASE op")
+
+
+def _run_commit(commit: Callable[[_Batch], None], batch: _Batch) -> None:
+    """Commit `batch`; when it did not commit, every operation in it failed."""
+    try:
+        commit(batch)
+    except sqlite3.Error as exc:
+        _settle(batch.pending, StoreUnavailable(f"the store could not commit: {exc}"))
+    except Exception as exc:
+        _settle(batch.pending, exc)
 
 
 def _settle(batch: list[_Pending], error: BaseException) -> None:

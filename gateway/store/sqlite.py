@@ -179,13 +179,18 @@ class SqliteStore:
         instance: str,
         durability: str = "strict",
         before_commit: Callable[[], None] = lambda: None,
+        active_calls: Callable[[], int] | None = None,
         clock: Clock = time.time,
     ) -> None:
+        """`active_calls`: the server's count of the calls at work (in progress, not waiting
+        for a turn), which lets a batch that is all the work there is commit on the event
+        loop's thread (`GroupCommitter`)."""
         self.path = path
         self._now = clock
         self.instance = instance
         self._relaxed = durability == "relaxed"
         self._before_commit = before_commit
+        self._active_calls = active_calls
         self._new_id = MonotonicUlid()
         self._lock_fd: int | None = None
         self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="sqlite-writer")
@@ -213,6 +218,8 @@ class SqliteStore:
             relaxed=self._relaxed,
             before_commit=self._before_commit,
             between_batches=self._checkpoint_when_due,
+            upkeep_due=self._checkpoint_due,
+            active_calls=self._active_calls,
         )
         self.committer.start()
 
@@ -291,11 +298,16 @@ class SqliteStore:
         if last is not None:
             self._new_id.continue_after(last)  # ids keep their order across restarts
 
+    def _checkpoint_due(self) -> bool:
+        conn = self._writer_conn
+        assert conn is not None
+        return conn.total_changes - self._checkpointed_at >= CHECKPOINT_AFTER_CHANGES
+
     def _checkpoint_when_due(self) -> None:
         """In the writer thread, between batches (`GroupCommitter`)."""
         conn = self._writer_conn
         assert conn is not None
-        if conn.total_changes - self._checkpointed_at < CHECKPOINT_AFTER_CHANGES:
+        if not self._checkpoint_due():
             return
         self._checkpointed_at = conn.total_changes
         _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.store import sqlite as sqlite_module
-from gateway.store.base import StoreUnavailable
+from gateway.store.base import Admitted, StoreUnavailable
 from gateway.store.sqlite import SqliteStore, StoreLocked
 from tests.store.test_contract import NO_WAIT, call, ok
 
@@ -146,6 +146,66 @@ class TestWhereTheWorkRuns:
         finally:
             await store.close()
 
+    async def test_a_batch_that_is_all_the_work_commits_on_the_loop(self, tmp_path: Path) -> None:
+        """Every call at work waits in the batch: the loop commits it itself."""
+        in_progress = 2
+        store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: in_progress)
+        await store.open()
+        commits = _commit_threads(store)
+        try:
+            await asyncio.gather(store.admit(call(1, key="a")), store.admit(call(1, key="b")))
+            assert commits == [threading.current_thread().name]
+            in_progress = 3  # a third call is elsewhere (reading its body, at its tool)
+            await asyncio.gather(store.admit(call(1, key="c")), store.admit(call(1, key="d")))
+            assert commits[1].startswith("sqlite-writer")
+        finally:
+            await store.close()
+
+    async def test_bulk_operations_and_bare_stores_commit_in_the_writer(
+        self, tmp_path: Path
+    ) -> None:
+        alone = SqliteStore(tmp_path / "a.db", instance="one", active_calls=lambda: 0)
+        bare = SqliteStore(tmp_path / "b.db", instance="two")  # no count: never on the loop
+        for store in (alone, bare):
+            await store.open()
+        commits = {store: _commit_threads(store) for store in (alone, bare)}
+        try:
+            await alone.committer.submit(lambda conn: None, bulk=True)
+            await bare.admit(call(1, key="a"))
+            for seen in commits.values():
+                assert len(seen) == 1 and seen[0].startswith("sqlite-writer")
+        finally:
+            for store in (alone, bare):
+                await store.close()
+
+    async def test_the_upkeep_after_a_batch_committed_on_the_loop_runs_in_the_writer(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A due checkpoint holds up the next batch, not the loop; the next batch waits for
+        it and commits as before."""
+        monkeypatch.setattr(sqlite_module, "CHECKPOINT_AFTER_CHANGES", 1)
+        store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: 1)
+        await store.open()
+        threads: dict[str, list[str]] = {"COMMIT": [], "checkpoint": []}
+
+        def on_statement(statement: str) -> None:
+            kind = "checkpoint" if "wal_checkpoint" in statement else statement
+            threads.get(kind, []).append(threading.current_thread().name)
+
+        store._writer_conn.set_trace_callback(on_statement)
+        try:
+            first = await store.admit(call(1, key="a"))
+            second = await store.admit(call(1, key="b"))
+            assert threads["COMMIT"] == [threading.current_thread().name] * 2
+            assert threads["checkpoint"] and all(
+                name.startswith("sqlite-writer") for name in threads["checkpoint"]
+            )
+            for admitted in (first, second):
+                assert isinstance(admitted, Admitted)
+                assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await store.close()
+
     async def test_closing_answers_every_operation(self, tmp_path: Path) -> None:
         """The batch the writer has is committed; what waits for the next one is refused."""
         store = SqliteStore(tmp_path / "gw.db", instance="one")
@@ -161,6 +221,18 @@ class TestWhereTheWorkRuns:
         assert all(isinstance(r, StoreUnavailable) for r in refused)
         with pytest.raises(StoreUnavailable):
             await store.admit(call(1, key="late"))
+
+
+def _commit_threads(store: SqliteStore) -> list[str]:
+    """The thread of every COMMIT the writer connection runs from now on."""
+    seen: list[str] = []
+
+    def on_statement(statement: str) -> None:
+        if statement == "COMMIT":
+            seen.append(threading.current_thread().name)
+
+    store._writer_conn.set_trace_callback(on_statement)
+    return seen
 
 
 def _statements(store: SqliteStore) -> list[str]:

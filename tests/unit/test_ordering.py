@@ -117,3 +117,17 @@ class TestSerial:
         async with lanes.join("r") as first, lanes.join("r") as second:
             assert await first.take_turn(1)
             assert not await second.take_turn(0.02)
+        assert lanes.waiting_turns == 0
+
+    async def test_the_calls_waiting_for_their_turn_are_counted(self) -> None:
+        """What the SQLite store's group commit subtracts from the calls in progress."""
+        lanes = Lanes()
+        async with lanes.join("r") as first, lanes.join("r") as second:
+            assert await first.take_turn(1)
+            assert lanes.waiting_turns == 0  # a free turn is taken at once
+            waiting = asyncio.ensure_future(second.take_turn(5))
+            await asyncio.sleep(0)
+            assert lanes.waiting_turns == 1
+            first.release_turn()
+            assert await waiting
+            assert lanes.waiting_turns == 0
