@@ -178,14 +178,13 @@ class GroupCommitter:
         )
 
     def _commit_here(self, batch: _Batch) -> None:
-        """Commit on the loop's thread; the upkeep, when due, in the writer's."""
-        assert self._loop is not None
+        """Commit on the loop's thread and answer; the upkeep, when due, in the writer's."""
         _run_commit(self._commit, batch)
-        self._loop.call_soon(self._answer, batch)
+        self._answer(batch)
         if self._upkeep_due():
             self._batches.put(_UPKEEP)
         else:
-            self._loop.call_soon(self._next)
+            self._next()
 
     def _answer(self, batch: _Batch) -> None:
         self.batches += 1
