@@ -3,9 +3,9 @@
 
 A fenced call's checks run cheapest first (headers, body, signature) and only then does it
 wait for a turn; every refusal before admission is kept as a `rejected` receipt
-(`checks.keep_rejection`). From admission on, the call takes the one path every admitted call takes
-(`gateway.proxy.forward`). A WebSocket upgrade to an upstream that takes them is a session
-(`gateway.proxy.sessions`, §15); a CDP discovery answer is rewritten on its way back
+(`checks.keep_rejection`). From admission on, the call takes the one path every admitted
+call takes (`gateway.proxy.forward`). A WebSocket upgrade to an upstream that takes them is a
+session (`gateway.proxy.sessions`, §15); a CDP discovery answer is rewritten on its way back
 (`gateway.proxy.cdp`).
 """
 
