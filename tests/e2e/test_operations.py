@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.server.overload import LIMIT
 from gateway.store.sqlite import SqliteStore
 from tests.harness import (
     AppFactory,
@@ -526,6 +528,44 @@ class TestMetricsInProcess:
             make_policy(upstream.url, [{"match": "acct/*"}]), instance_id="two", sweep_interval_s=1
         )
         assert gw.metric("fence_gateway_outcome_unknown_total", upstream="tool") == 1
+
+
+class TestCommitsOfACallAlone:
+    """The server tells the SQLite store how many calls are at work (gateway.store.
+    group_commit): the commits of a call with nothing else at work are made by the event
+    loop; with one more call at work, by the writer thread."""
+
+    async def test_a_call_alone_is_committed_by_the_loop(self, upstream, make_app):
+        gw = await make_app(make_policy(upstream.url, [{"match": "shared/*"}]))
+        commits = _commits(gw)
+        async with gw.client.post("/tool/pay", headers=fenced_headers("shared/a", 1)) as answer:
+            assert answer.status == 200
+        assert commits == [threading.current_thread().name] * 2  # admission, outcome
+
+    async def test_beside_another_call_at_work_the_writer_commits(self, upstream, make_app):
+        gw = await make_app(make_policy(upstream.url, [{"match": "shared/*"}]))
+        commits = _commits(gw)
+        # two other calls, at their tools all along (in process, the test client's own call
+        # reaches aiohttp's server, which leaves the counting to the gateway's HTTP server)
+        gw.app[LIMIT].in_flight += 2
+        try:
+            async with gw.client.post("/tool/pay", headers=fenced_headers("shared/a", 1)) as r:
+                assert r.status == 200
+        finally:
+            gw.app[LIMIT].in_flight -= 2
+        assert len(commits) == 2 and all(t.startswith("sqlite-writer") for t in commits)
+
+
+def _commits(gw: InProcessGateway) -> list[str]:
+    """The thread of each COMMIT of the gateway's SQLite store from now on."""
+    seen: list[str] = []
+
+    def on_statement(statement: str) -> None:
+        if statement == "COMMIT":
+            seen.append(threading.current_thread().name)
+
+    gw.store._writer_conn.set_trace_callback(on_statement)
+    return seen
 
 
 class TestStartupWarnings:
