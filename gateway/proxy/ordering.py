@@ -69,6 +69,10 @@ class Lanes:
         lane.users += 1
         return Place(lane, self, resource)
 
+    def forget(self, resource: str) -> None:
+        """The resource's last call left its lane."""
+        del self._lanes[resource]
+
 
 class Place:
     """One call's place in its resource's lane: its turn, its registered fence."""
@@ -91,7 +95,7 @@ class Place:
         lane = self._lane
         lane.users -= 1
         if lane.users == 0:
-            del self._lanes._lanes[self._resource]
+            self._lanes.forget(self._resource)
 
     @property
     def cut(self) -> Callable[[ClosedBy], None] | None:

@@ -74,7 +74,8 @@ class GroupCommitter:
     """Batches are made on the event loop, one at a time: the next begins once the writer
     thread has committed the last and is done with the connection (`_next`). A call costs an
     append to a list and its share of a batch's hand-offs: one to the writer, two back (its
-    answers, then the connection once upkeep between batches is done)."""
+    answers, then the connection once upkeep between batches is done); none for a batch the
+    loop commits itself (`_alone`)."""
 
     def __init__(
         self,
@@ -220,11 +221,9 @@ class GroupCommitter:
                 continue
             if batch is None:
                 return
-            upkeep_only = batch is _UPKEEP  # after a batch committed on the loop's thread
-            if not upkeep_only:
-                _run_commit(self._commit, batch)
             try:
-                if not upkeep_only:
+                if batch is not _UPKEEP:  # (after a batch the loop committed: upkeep only)
+                    _run_commit(self._commit, batch)
                     loop.call_soon_threadsafe(self._answer, batch)
                 # after the answers are on their way: upkeep holds up the next batch only;
                 # one that failed (a checkpoint) is tried again after the next batches

@@ -56,8 +56,10 @@ _HIGH_WATER = 256 * 1024
 # visible characters, spaces and tabs (and obs-text), every line ending in CRLF. Anything
 # else (a bare CR or LF, a folded line, an absolute target) is aiohttp's to refuse or serve.
 _HEAD = re.compile(
-    rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ (/[\x21-\x7e]*) HTTP/1\.1\r\n"
-    rb"(?:" + HTTP_TOKEN.encode() + rb":[\t\x20-\x7e\x80-\xff]*\r\n){1,%d}\r\n" % _MAX_FIELDS
+    rb"(?P<method>" + HTTP_TOKEN.encode() + rb") (?P<target>/[\x21-\x7e]*) HTTP/1\.1\r\n"
+    rb"(?P<fields>(?:"
+    + HTTP_TOKEN.encode()
+    + rb":[\t\x20-\x7e\x80-\xff]*\r\n){1,%d})\r\n" % _MAX_FIELDS
 )
 _DIGITS = re.compile(r"[0-9]{1,15}")
 # Headers that make a request the front does not frame: aiohttp's
@@ -298,7 +300,8 @@ class Front(asyncio.Protocol):
         close = False
         seen: set[str] = set()
         pairs: list[tuple[str, str]] = []
-        for line in text[shape.end(1) + 11 : -4].split("\r\n"):  # past " HTTP/1.1\r\n"
+        # up to its header lines the head is ASCII (a byte is a character); after them, CRLF
+        for line in text[shape.start("fields") : -4].split("\r\n"):
             name, _, value = line.partition(":")
             value = value.strip(" \t")
             lowered = name.lower()
@@ -319,13 +322,9 @@ class Front(asyncio.Protocol):
             return None
         # HTTP/1.1 keeps the connection unless the client says close (httptools' own answer
         # is lost once a message without a body has ended within the head)
-        return (
-            text[: shape.start(1) - 1],
-            text[shape.start(1) : shape.end(1)],
-            (CIMultiDictProxy(CIMultiDict(pairs))),
-            length,
-            close,
-        )
+        method, target = shape.group("method", "target")
+        headers = CIMultiDictProxy(CIMultiDict(pairs))
+        return method.decode("ascii"), target.decode("ascii"), headers, length, close
 
     def _feed_body(self) -> None:
         take = min(self._body_left, len(self._buffer))

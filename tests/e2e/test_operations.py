@@ -46,6 +46,7 @@ from tests.harness import (
     write_policy,
 )
 from tests.store.test_contract import call as store_call
+from tests.store.test_sqlite import commit_threads
 
 RESOURCE = "ops/r1"
 
@@ -537,14 +538,14 @@ class TestCommitsOfACallAlone:
 
     async def test_a_call_alone_is_committed_by_the_loop(self, upstream, make_app):
         gw = await make_app(make_policy(upstream.url, [{"match": "shared/*"}]))
-        commits = _commits(gw)
+        commits = commit_threads(gw.store)
         async with gw.client.post("/tool/pay", headers=fenced_headers("shared/a", 1)) as answer:
             assert answer.status == 200
         assert commits == [threading.current_thread().name] * 2  # admission, outcome
 
     async def test_beside_another_call_at_work_the_writer_commits(self, upstream, make_app):
         gw = await make_app(make_policy(upstream.url, [{"match": "shared/*"}]))
-        commits = _commits(gw)
+        commits = commit_threads(gw.store)
         # two other calls, at their tools all along (in process, the test client's own call
         # reaches aiohttp's server, which leaves the counting to the gateway's HTTP server)
         gw.app[LIMIT].in_flight += 2
@@ -554,18 +555,6 @@ class TestCommitsOfACallAlone:
         finally:
             gw.app[LIMIT].in_flight -= 2
         assert len(commits) == 2 and all(t.startswith("sqlite-writer") for t in commits)
-
-
-def _commits(gw: InProcessGateway) -> list[str]:
-    """The thread of each COMMIT of the gateway's SQLite store from now on."""
-    seen: list[str] = []
-
-    def on_statement(statement: str) -> None:
-        if statement == "COMMIT":
-            seen.append(threading.current_thread().name)
-
-    gw.store._writer_conn.set_trace_callback(on_statement)
-    return seen
 
 
 class TestStartupWarnings:

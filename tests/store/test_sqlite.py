@@ -151,7 +151,7 @@ class TestWhereTheWorkRuns:
         in_progress = 2
         store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: in_progress)
         await store.open()
-        commits = _commit_threads(store)
+        commits = commit_threads(store)
         try:
             await asyncio.gather(store.admit(call(1, key="a")), store.admit(call(1, key="b")))
             assert commits == [threading.current_thread().name]
@@ -168,7 +168,7 @@ class TestWhereTheWorkRuns:
         bare = SqliteStore(tmp_path / "b.db", instance="two")  # no count: never on the loop
         for store in (alone, bare):
             await store.open()
-        commits = {store: _commit_threads(store) for store in (alone, bare)}
+        commits = {store: commit_threads(store) for store in (alone, bare)}
         try:
             await alone.committer.submit(lambda conn: None, bulk=True)
             await bare.admit(call(1, key="a"))
@@ -223,8 +223,9 @@ class TestWhereTheWorkRuns:
             await store.admit(call(1, key="late"))
 
 
-def _commit_threads(store: SqliteStore) -> list[str]:
-    """The thread of every COMMIT the writer connection runs from now on."""
+def commit_threads(store: SqliteStore) -> list[str]:
+    """The thread of every COMMIT the store's writer connection runs from now on (also for
+    tests/e2e/test_operations.py)."""
     seen: list[str] = []
 
     def on_statement(statement: str) -> None:

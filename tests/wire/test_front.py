@@ -396,6 +396,22 @@ class TestServed:
         assert (await read_answer(reader)).body == b"POST /x 11"
         assert served.dispatch.seen[0].body == b"hello world"
 
+    async def test_utf8_values_before_the_length_are_the_fronts(self, start: Start) -> None:
+        """A head with UTF-8 in its values (two bytes a character) is framed by the front,
+        every value and the body's length read right."""
+        served = await start()
+        reader, writer = await served.connect()
+        head = "POST /x HTTP/1.1\r\nHost: t\r\nX-Name: café olé\r\nContent-Length: 2\r\n\r\n"
+        writer.write(head.encode() + b"hi")
+        assert (await read_answer(reader)).body == b"POST /x 2"
+        [seen] = served.dispatch.seen
+        assert list(seen.headers.items()) == [
+            ("Host", "t"),
+            ("X-Name", "café olé"),
+            ("Content-Length", "2"),
+        ]
+        assert seen.body == b"hi"
+
     async def test_an_answer_without_length_is_chunked(self, start: Start) -> None:
         """An answer without Content-Length goes out chunked, one chunk per write, then the
         last chunk, and the connection carries the next request."""
