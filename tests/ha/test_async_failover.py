@@ -110,6 +110,32 @@ async def metric(session: aiohttp.ClientSession, gateway: GatewayProcess, line: 
     return float(found[0].split()[-1]) if found else 0.0
 
 
+async def epochs_recorded(
+    session: aiohttp.ClientSession,
+    gateways: tuple[GatewayProcess, ...],
+    total: int,
+    timeout: float = 10.0,
+) -> list[dict[str, float]]:
+    """Each replica's `fence_gateway_store_epochs_total` by `floor`, once the replicas together
+    show `total` epochs (or after `timeout`). The store records an epoch on whichever call
+    first reaches a new primary; the replica reports it after its next heartbeat, so a count
+    can lag a call that already saw the new primary by a heartbeat."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = [
+            {
+                floor: await metric(
+                    session, g, f'fence_gateway_store_epochs_total{{floor="{floor}"}}'
+                )
+                for floor in ("applied", "not_needed")
+            }
+            for g in gateways
+        ]
+        if sum(sum(c.values()) for c in counts) >= total or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.2)
+
+
 class TestAsyncFailover:
     async def test_the_lost_fences_are_never_accepted_again_and_the_floor_is_applied_once(
         self,
@@ -169,10 +195,7 @@ class TestAsyncFailover:
             )
             assert after.status == 200
             # Exactly one replica recorded the new epoch, with the floor.
-            counts = [
-                await metric(session, g, 'fence_gateway_store_epochs_total{floor="applied"}')
-                for g in (a, b)
-            ]
+            counts = [c["applied"] for c in await epochs_recorded(session, (a, b), total=1)]
             assert sorted(counts) == [0.0, 1.0]
             recorder = (a, b)[counts.index(1.0)]
             said = [
