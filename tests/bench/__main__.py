@@ -7,10 +7,12 @@ gateways (`python -m gateway serve`, each with its own SQLite file). All load co
 -t1` with the Lua scripts in tests/bench/lua (fenced POSTs: fence headers, a body unique to
 every call so that no call is a replay).
 
-The machines are shared and noisy, so absolute figures drift; every round runs every
-measurement back to back (in a rotating order), each row shows medians over the rounds, and
-each ratio is the median of the per-round ratios of two figures measured minutes apart at
-most, which cancels most of the drift. The memory row runs last, on a fresh gateway.
+The machines are shared and noisy, so absolute figures drift, within a run too; every round
+runs every measurement back to back (in a rotating order), and each row shows medians over
+the rounds. A gateway row's × peer is the median of per-round ratios to the peer measured
+right before it (the same request, a measurement of its own), so that the two figures of a
+ratio are seconds apart, not minutes; × nginx is the median of per-round ratios to the nginx
+row of the same round. The memory row runs last, on a fresh gateway.
 
 Environment: BENCH_ROUNDS (default 5), BENCH_SECONDS per measurement (default 5),
 BENCH_MEMORY_CALLS and BENCH_MEMORY_RESOURCES (default 1,000,000 over 100,000), BENCH_QUICK=1
@@ -71,7 +73,9 @@ class Measure:
     gateway: GatewayProcess | None = None
     fsyncs_here: bool = True
     probe: str | None = None  # a fenced-POST URL for the admitted-latency probe
+    baseline: Measure | None = None  # the peer's row for the same request, measured just before
     results: list[wrk.Result] = field(default_factory=list)
+    beside: list[wrk.Result] = field(default_factory=list)  # the baseline's, one per result
     cpu_us: list[float] = field(default_factory=list)
     fsync_counts: list[int] = field(default_factory=list)
     probe_p99: list[float] = field(default_factory=list)
@@ -206,9 +210,16 @@ async def probe(url: str, stop: asyncio.Event) -> list[float]:
     return latencies
 
 
+async def _wrk(m: Measure, seconds: float = SECONDS) -> wrk.Result:
+    return await wrk.run(m.url, connections=m.connections, seconds=seconds, script=m.script,
+                         args=m.args())  # fmt: skip
+
+
 async def measure(m: Measure, perf: bool) -> None:
+    if m.baseline is not None:
+        m.beside.append(await _wrk(m.baseline))
     pid = m.gateway.proc.pid if m.gateway is not None and m.gateway.proc else None
-    run = wrk.run(m.url, connections=m.connections, seconds=SECONDS, script=m.script, args=m.args())
+    run = _wrk(m)
     if pid is None:
         m.results.append(await run)
         _progress(m)
@@ -238,9 +249,10 @@ async def measure(m: Measure, perf: bool) -> None:
 
 def _progress(m: Measure) -> None:
     r = m.results[-1]
+    beside = f" (the peer just before: {m.beside[-1].rate:.0f}/s)" if m.beside else ""
     print(
         f"  {m.name}, {m.connections} conns: {r.rate:.0f}/s p50 {r.p50_ms:.2f} ms "
-        f"p99 {r.p99_ms:.1f} ms, {r.errors} errors",
+        f"p99 {r.p99_ms:.1f} ms, {r.errors} errors{beside}",
         file=sys.stderr,
         flush=True,
     )
@@ -249,7 +261,8 @@ def _progress(m: Measure) -> None:
 def ratio(m: Measure, base: Measure | None) -> str:
     if base is None or not base.results:
         return ""
-    ratios = [a.rate / b.rate for a, b in zip(m.results, base.results, strict=True)]
+    beside = m.beside if base is m.baseline else base.results
+    ratios = [a.rate / b.rate for a, b in zip(m.results, beside, strict=True)]
     return f"{statistics.median(ratios):.2f}"
 
 
@@ -490,9 +503,13 @@ async def run() -> str:
 
             measures = [m for kinds in base.values() for m in kinds.values()]
             measures += [m for m, _ in gateway_rows] + [overload, *pg_rows]
+            for m, kind in gateway_rows:
+                m.baseline = base[kind]["peer"]
+            overload.baseline = base["post"]["peer"]
+            for m in pg_rows:
+                m.baseline = base["post"]["peer"]
             for m in measures:  # warm-up: connections, caches, the adaptive limit
-                await wrk.run(m.url, connections=m.connections, seconds=1, script=m.script,
-                              args=m.args())  # fmt: skip
+                await _wrk(m, seconds=1)
             for r in range(ROUNDS):
                 shift = r * len(measures) // ROUNDS
                 for m in measures[shift:] + measures[:shift]:
@@ -505,9 +522,8 @@ async def run() -> str:
             for m, kind in gateway_rows:
                 note = ""
                 if m.connections == 1:
-                    peer1 = base["post1"]["peer"]
                     added = statistics.median(
-                        a.p50_ms - b.p50_ms for a, b in zip(m.results, peer1.results, strict=True)
+                        a.p50_ms - b.p50_ms for a, b in zip(m.results, m.beside, strict=True)
                     )
                     note = f"p50 {added:+.2f} ms over the peer's"
                 rows.append(cells(m, base[kind]["peer"], base[kind].get("nginx"), note))
@@ -566,8 +582,9 @@ async def run() -> str:
             f"{platform.machine()}, {os.cpu_count()} CPUs shared by wrk, the tool, the proxies "
             f"and the gateway; Python {platform.python_version()}; {_loop()}; "
             f"{ROUNDS} rounds of {SECONDS:g} s per measurement, alternating; medians over "
-            "rounds. × peer and × nginx: the median of per-round calls/s ratios to the same "
-            "request through the peer (a bare aiohttp proxy on uvloop) and nginx.",
+            "rounds. × peer: the median of per-round calls/s ratios to the same request through "
+            "the peer (a bare aiohttp proxy on uvloop), measured right before each gateway "
+            "row; × nginx: the same, to the round's nginx row.",
             "",
             table(rows),
             "",
