@@ -250,10 +250,8 @@ class TestFailoverUnderLoad:
         assert [x for x in lost if x[1] is None or x[1]["status"] != "succeeded"] == []
         # Two new epochs (the switchover's, the kill's), neither with the floor applied.
         floors = await epochs_recorded(session, tuple(gateways), total=2)
-        assert [sum(c[which] for c in floors) for which in ("applied", "not_needed")] == [
-            0,
-            2,
-        ], floors
+        applied, not_needed = (sum(c[which] for c in floors) for which in ("applied", "not_needed"))
+        assert (applied, not_needed) == (0, 2), floors
         print(
             f"\nsync failover as a client of the gateway saw it: switchover {switchover_s:.1f}s, "
             f"kill -9 {kill_s:.1f}s ({len(acknowledged)} calls acknowledged)"
