@@ -86,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str) -> int:
+    from gateway.observe import logs
+
+    # What was logged before the failure goes first: the log writer thread would otherwise
+    # write it after this line, at exit (a warning read as if it came after the reason).
+    logs.flush()
     print(f"fence-gateway: {message}", file=sys.stderr)
     return EXIT_CONFIG
 

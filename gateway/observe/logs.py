@@ -155,7 +155,8 @@ def configure(fmt: str, level: str) -> None:
 
 
 def flush() -> None:
-    """Everything logged so far is written when this returns (for tests and benchmarks)."""
+    """Everything logged so far is written when this returns (before a fatal error's own
+    line, and for tests and benchmarks)."""
     for handler in logging.getLogger().handlers:
         handler.flush()
 

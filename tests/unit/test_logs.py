@@ -85,6 +85,32 @@ def test_kill_9_loses_only_the_last_moments() -> None:
     assert [line["n"] for line in lines] == list(range(2000)), time.monotonic() - started
 
 
+_FAILING = """
+import sys
+from gateway.cli.main import _fail
+from gateway.observe import logs
+logs.configure("text", "INFO")
+logs.event("running_open", 30, detail="logged before the failure")
+sys.exit(_fail("cannot start: the reason"))
+"""
+
+
+def test_what_was_logged_before_a_fatal_error_comes_before_its_reason() -> None:
+    """A gateway that cannot start says why on its last line of stderr: a warning logged
+    earlier, still queued for the log writer thread, is written first, not at exit after it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines = done.stderr.decode().splitlines()
+    assert done.returncode == 2
+    assert len(lines) == 2 and "running_open" in lines[0], lines
+    assert lines[1] == "fence-gateway: cannot start: the reason"
+
+
 def test_the_line_time_is_the_contract_time_to_the_millisecond() -> None:
     formatter = logs.JsonFormatter()
     edges = [1764600000.0, 1764600000.999, 1764600001.0005, 1764600001.9999996, 1764600001.9995]
