@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -667,6 +668,16 @@ def problem_summary(result: CallResult) -> tuple[int | None, str | None]:
         return (result.status, result.json().get("code"))
     except ValueError:
         return (result.status, "<bad json>")
+
+
+async def metric_samples(
+    session: aiohttp.ClientSession, gateway_url: str, name: str
+) -> dict[str, float]:
+    """The samples of one labelled metric as {labels text: value}, from one scrape."""
+    async with session.get(f"{gateway_url}/_gateway/metrics") as resp:
+        text = await resp.text()
+    found = re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE)
+    return {labels: float(value) for labels, value in found}
 
 
 async def fetch_receipts(

@@ -20,8 +20,7 @@ EXIT_CONFIG = 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        print(f"fence-gateway: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(_fail(message))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,8 +170,9 @@ async def autovacuum_is_off() -> bool:
 
 
 async def vacuum(urls: list[str]) -> None:
-    """What autovacuum would have done on a server running it: the gateway's tables vacuumed
-    and analyzed. A database the bench has just filled and nothing has vacuumed nor analyzed
+    """What autovacuum would have done on a server running it (the gateway warns at start,
+    `postgres_autovacuum_off`, where it does not): the gateway's tables vacuumed and analyzed.
+    A database the bench has just filled and nothing has vacuumed nor analyzed
     slows down as it grows: the same load fell from 1,600 to 1,150 calls/s within 20 s here,
     and came back to 1,700 after one VACUUM ANALYZE (which of the two did it, and through
     the plans or the dead rows, was not measured apart)."""
@@ -272,11 +273,11 @@ def _progress(m: Measure) -> None:
     )
 
 
-def ratio(m: Measure, base: Measure | None) -> str:
-    if base is None or not base.results:
+def ratio(results: list[wrk.Result], against: list[wrk.Result]) -> str:
+    """The median of per-round calls/s ratios."""
+    if not against:
         return ""
-    beside = m.beside if base is m.baseline else base.results
-    ratios = [a.rate / b.rate for a, b in zip(m.results, beside, strict=True)]
+    ratios = [a.rate / b.rate for a, b in zip(results, against, strict=True)]
     return f"{statistics.median(ratios):.2f}"
 
 
@@ -295,8 +296,9 @@ def cells(m: Measure, peer: Measure | None, ngx: Measure | None, note: str = "")
         f"{m.median(lambda r: r.rate):.0f}",
         f"{m.median(lambda r: r.p50_ms):.2f}",
         f"{m.median(lambda r: r.p99_ms):.1f}",
-        ratio(m, peer),
-        ratio(m, ngx),
+        # a gateway row against the peer measured right before it; the baselines by round
+        ratio(m.results, m.beside or (peer.results if peer else [])),
+        ratio(m.results, ngx.results if ngx else []),
         cpu,
         per_fsync,
         "; ".join(notes),

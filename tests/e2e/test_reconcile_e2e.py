@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from typing import Any
 from urllib.parse import unquote
 
@@ -40,6 +39,7 @@ from tests.harness import (
     fenced_headers,
     fetch_receipts,
     make_policy,
+    metric_samples,
     pick,
     problem,
 )
@@ -132,14 +132,6 @@ async def resolve(
     return await api(session, gateway.url, "POST", f"/receipts/{receipt_id}/resolve", json=body)
 
 
-async def metric(session: aiohttp.ClientSession, gateway: GatewayProcess, name: str) -> dict:
-    """The samples of one metric as {labels text: value}."""
-    async with session.get(f"{gateway.url}/_gateway/metrics") as resp:
-        text = await resp.text()
-    found = re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE)
-    return {labels: float(value) for labels, value in found}
-
-
 @pytest.fixture
 async def ledger(upstream: RecordingUpstream) -> Ledger:
     return Ledger(upstream)
@@ -219,9 +211,9 @@ class TestResolve:
             "k-1",
         ]
         assert ledger.applied == {"k-1": 1}
-        assert await metric(session, gateway, "fence_gateway_reconciliations_total") == {
-            'outcome="not_applied",source="operator"': 1.0
-        }
+        assert await metric_samples(
+            session, gateway.url, "fence_gateway_reconciliations_total"
+        ) == {'outcome="not_applied",source="operator"': 1.0}
 
     async def test_resolve_before_grace_is_not_reconcilable(
         self, gateway: GatewayProcess, ledger: Ledger, session
@@ -329,9 +321,9 @@ class TestProbe:
             "receipt_id": receipt_id,
         }
         assert ledger.applied == {key: 1}
-        assert await metric(session, gateway, "fence_gateway_reconciliations_total") == {
-            'outcome="applied",source="policy"': 1.0
-        }
+        assert await metric_samples(
+            session, gateway.url, "fence_gateway_reconciliations_total"
+        ) == {'outcome="applied",source="policy"': 1.0}
 
     async def test_probe_resolves_not_applied_and_the_retry_applies_once(
         self, gateway: GatewayProcess, ledger: Ledger, session

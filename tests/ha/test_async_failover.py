@@ -23,6 +23,7 @@ from tests.harness import (
     call,
     fenced_headers,
     make_policy,
+    metric_samples,
     problem_summary,
 )
 
@@ -103,13 +104,6 @@ async def until_answered(
         await asyncio.sleep(0.2)
 
 
-async def metric(session: aiohttp.ClientSession, gateway: GatewayProcess, line: str) -> float:
-    async with session.get(f"{gateway.url}/_gateway/metrics") as resp:
-        text = await resp.text()
-    found = [row for row in text.splitlines() if row.startswith(line)]
-    return float(found[0].split()[-1]) if found else 0.0
-
-
 async def epochs_recorded(
     session: aiohttp.ClientSession,
     gateways: tuple[GatewayProcess, ...],
@@ -122,15 +116,12 @@ async def epochs_recorded(
     can lag a call that already saw the new primary by a heartbeat."""
     deadline = time.monotonic() + timeout
     while True:
-        counts = [
-            {
-                floor: await metric(
-                    session, g, f'fence_gateway_store_epochs_total{{floor="{floor}"}}'
-                )
-                for floor in ("applied", "not_needed")
-            }
-            for g in gateways
-        ]
+        counts = []
+        for g in gateways:
+            samples = await metric_samples(session, g.url, "fence_gateway_store_epochs_total")
+            counts.append(
+                {floor: samples.get(f'floor="{floor}"', 0.0) for floor in ("applied", "not_needed")}
+            )
         if sum(sum(c.values()) for c in counts) >= total or time.monotonic() > deadline:
             return counts
         await asyncio.sleep(0.2)
