@@ -277,7 +277,7 @@ def ratio(results: list[wrk.Result], against: list[wrk.Result]) -> str:
     """The median of per-round calls/s ratios."""
     if not against:
         return ""
-    ratios = [a.rate / b.rate for a, b in zip(results, against, strict=True)]
+    ratios = targets.ratios(_rounds(results).rates, _rounds(against).rates)
     return f"{statistics.median(ratios):.2f}"
 
 
@@ -571,7 +571,7 @@ async def run() -> str:
                 note = ""
                 if m.connections == 1:
                     added = statistics.median(
-                        a.p50_ms - b.p50_ms for a, b in zip(m.results, m.beside, strict=True)
+                        targets.differences(_rounds(m.results).p50s, _rounds(m.beside).p50s)
                     )
                     note = f"p50 {added:+.2f} ms over the peer's"
                 rows.append(cells(m, base[kind]["peer"], base[kind].get("nginx"), note))

@@ -78,11 +78,14 @@ class Target:
         return f"{value:.0f} {self.unit}" if self.unit == "MiB" else f"{value:.2f}{self.unit}"
 
 
-def _per_round(a: Sequence[float], b: Sequence[float], combine: str = "/") -> tuple[float, ...]:
-    """`a` against `b` round by round: their ratio, or (`-`) their difference."""
-    if combine == "-":
-        return tuple(x - y for x, y in zip(a, b, strict=True))
+def ratios(a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+    """`a` over `b`, round by round (the bench's every ratio)."""
     return tuple(x / y for x, y in zip(a, b, strict=True))
+
+
+def differences(a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+    """`a` less `b`, round by round."""
+    return tuple(x - y for x, y in zip(a, b, strict=True))
 
 
 def judge(run: Run) -> list[Target]:
@@ -92,20 +95,20 @@ def judge(run: Run) -> list[Target]:
     memory_first, memory_second = run.memory_halves_mib
     targets = [
         Target("fenced strict POST, 1 hot resource, 32 connections: the peer's calls/s",
-               _per_round(run.hot.rates, run.hot_peer.rates), 1.0),
+               ratios(run.hot.rates, run.hot_peer.rates), 1.0),
         Target("the same: its p99 against the peer's",
-               _per_round(run.hot.p99s, run.hot_peer.p99s), 1.5, at_most=True),
+               ratios(run.hot.p99s, run.hot_peer.p99s), 1.5, at_most=True),
         Target(f"one connection: p50 over the peer's, at most 2 × fdatasync "
                f"({run.fdatasync_ms:.2f} ms) + {ONE_CONNECTION_SLACK_MS} ms",
-               _per_round(run.one.p50s, run.one_peer.p50s, "-"),
+               differences(run.one.p50s, run.one_peer.p50s),
                fsyncs_ms + ONE_CONNECTION_SLACK_MS, at_most=True, unit=" ms"),
-        Target("unfenced GET: the peer's calls/s", _per_round(run.get.rates, run.get_peer.rates),
+        Target("unfenced GET: the peer's calls/s", ratios(run.get.rates, run.get_peer.rates),
                1.3),
         Target("10,000 resources: one resource's calls/s",
-               _per_round(run.spread.rates, run.hot.rates), 0.95),
+               ratios(run.spread.rates, run.hot.rates), 0.95),
         Target("`serial`, one resource: its bound, 1 / (2 × fdatasync + the peer's "
                "one-connection p50)",
-               _per_round(run.serial.rates, serial_bound), 0.8),
+               ratios(run.serial.rates, serial_bound), 0.8),
         Target("2,000 connections: admitted calls/s, the 32-connection row's",
                tuple(run.flood_admitted), 0.9),
         Target("2,000 connections: admitted calls' p99, the 32-connection row's",
@@ -116,7 +119,7 @@ def judge(run: Run) -> list[Target]:
     if run.postgres is not None:
         targets.append(
             Target("PostgreSQL, one replica, 64 resources: the SQLite row's calls/s",
-                   _per_round(run.postgres.rates, run.hot.rates), 0.5),
+                   ratios(run.postgres.rates, run.hot.rates), 0.5),
         )  # fmt: skip
     calls = f"{run.memory_calls:,} calls"
     return [
