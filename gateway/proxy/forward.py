@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import get_args
 
@@ -110,16 +109,16 @@ async def read_plain_answer(
     return head, head.outcome(forwarded_at)
 
 
-@asynccontextmanager
-async def forward(
+def forward(
     app: web.Application,
     flow: Flow,
     place: Place,
     body: bytes | None,
     client: web.Request | None,
     read_answer: AnswerReader | None = None,
-) -> AsyncIterator[Exchange]:
-    """From a durable `pending` receipt to a recorded outcome.
+) -> Forwarding:
+    """From a durable `pending` receipt to a recorded outcome: `async with forward(...) as
+    exchange`.
 
     `client` is the request being proxied (its headers go on, X-Forwarded-* are set), None
     for a call the gateway makes itself. The receipt counts as in flight here until the
@@ -127,15 +126,70 @@ async def forward(
     up to what decides its outcome (an MCP tool call's JSON-RPC answer, §16); by default the
     status decides.
     """
-    rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
-    if rule is None or upstream is None or call is None or admitted is None:
-        raise ValueError("forward needs an admitted flow")
-    receipt_id = admitted.receipt_id
-    store, metrics, failpoints = app[appkeys.STORE], app[appkeys.METRICS], app[appkeys.FAILPOINTS]
-    in_flight = app[appkeys.IN_FLIGHT]
-    in_flight.add(receipt_id)
-    loop = asyncio.get_running_loop()
-    try:
+    return Forwarding(app, flow, place, body, client, read_answer)
+
+
+class Forwarding:
+    """`forward`'s context: the exchange on entry; on exit the tool's answer is let go (its
+    connection back to the pool, or closed) and the receipt no longer counts as in flight.
+    (A class, not an `asynccontextmanager`: every admitted call goes through it, and a
+    generator's frame, its loop hooks and contextlib's wrapper cost a call more than this.)"""
+
+    __slots__ = (
+        "_answer",
+        "_app",
+        "_body",
+        "_client",
+        "_flow",
+        "_place",
+        "_read_answer",
+        "_receipt_id",
+    )
+
+    def __init__(
+        self,
+        app: web.Application,
+        flow: Flow,
+        place: Place,
+        body: bytes | None,
+        client: web.Request | None,
+        read_answer: AnswerReader | None,
+    ) -> None:
+        self._app, self._flow, self._place = app, flow, place
+        self._body, self._client, self._read_answer = body, client, read_answer
+        self._answer: Answer | None = None
+        self._receipt_id: str | None = None
+
+    async def __aenter__(self) -> Exchange:
+        flow = self._flow
+        if flow.rule is None or flow.upstream is None or flow.call is None or flow.admitted is None:
+            raise ValueError("forward needs an admitted flow")
+        self._receipt_id = receipt_id = flow.admitted.receipt_id
+        self._app[appkeys.IN_FLIGHT].add(receipt_id)
+        try:
+            return await self._exchange()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._answer is not None:
+            self._answer.release()
+        if self._receipt_id is not None:
+            self._app[appkeys.IN_FLIGHT].discard(self._receipt_id)
+
+    async def _exchange(self) -> Exchange:
+        app, flow, place = self._app, self._flow, self._place
+        rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
+        assert rule is not None and upstream is not None and call is not None
+        assert admitted is not None  # (checked on entry)
+        receipt_id = admitted.receipt_id
+        store, metrics, failpoints = (
+            app[appkeys.STORE],
+            app[appkeys.METRICS],
+            app[appkeys.FAILPOINTS],
+        )
+        loop = asyncio.get_running_loop()
         failpoints.crash_at("after_admit")
         blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
         # A process paused past its heartbeat sends nothing (docs/contract.md §14, "A replica
@@ -147,12 +201,11 @@ async def forward(
             outcome = Outcome("not_sent", error=blocked)
             flow.outcome = outcome.status
             error = blocked_error(blocked, call.resource, rule.queue_timeout_s)
-            yield Exchange(
+            return Exchange(
                 outcome, await record(app, receipt_id, outcome), loop.time(), error=error
             )
-            return
         sent = upstream_headers(
-            client,
+            self._client,
             upstream,
             _FENCED_DROP,
             admitted_headers(
@@ -168,7 +221,7 @@ async def forward(
                 call.method,
                 flow.rest,
                 sent,
-                body,
+                self._body,
                 deadline,
                 may_send=lambda: store.may_forward(admitted.instance),
             )
@@ -180,28 +233,19 @@ async def forward(
             flow.outcome = outcome.status
             if outcome.status == "outcome_unknown":
                 metrics.outcome_unknown.labels(upstream.name).inc()
-            yield Exchange(
-                outcome, await record(app, receipt_id, outcome), deadline, error=failure.error
-            )
-            return
-        async with answer:
-            if read_answer is None:
-                head, outcome = await read_plain_answer(rule, answer, deadline, forwarded_at)
-            else:
-                head, outcome = await read_answer(answer, deadline, forwarded_at)
-            flow.upstream_s = time.time() - forwarded_at
-            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
-            failpoints.crash_at("after_upstream")
-            flow.status, flow.outcome = head.status, outcome.status
-            yield Exchange(
-                outcome,
-                await _record_over(app, place, receipt_id, outcome, over=head.complete),
-                deadline,
-                head=head,
-                answer=answer,
-            )
-    finally:
-        in_flight.discard(receipt_id)
+            recorded = await record(app, receipt_id, outcome)
+            return Exchange(outcome, recorded, deadline, error=failure.error)
+        self._answer = answer  # let go on exit, whatever happens from here on
+        if self._read_answer is None:
+            head, outcome = await read_plain_answer(rule, answer, deadline, forwarded_at)
+        else:
+            head, outcome = await self._read_answer(answer, deadline, forwarded_at)
+        flow.upstream_s = time.time() - forwarded_at
+        metrics.upstream_of(upstream.name).observe(flow.upstream_s)
+        failpoints.crash_at("after_upstream")
+        flow.status, flow.outcome = head.status, outcome.status
+        recorded = await _record_over(app, place, receipt_id, outcome, over=head.complete)
+        return Exchange(outcome, recorded, deadline, head=head, answer=answer)
 
 
 async def _record_over(

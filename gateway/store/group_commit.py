@@ -73,9 +73,9 @@ _UPKEEP = _Batch([], force_sync=False)  # put there after a batch committed on t
 class GroupCommitter:
     """Batches are made on the event loop, one at a time: the next begins once the writer
     thread has committed the last and is done with the connection (`_next`). A call costs an
-    append to a list and its share of a batch's hand-offs: one to the writer, two back (its
-    answers, then the connection once upkeep between batches is done); none for a batch the
-    loop commits itself (`_alone`)."""
+    append to a list and its share of a batch's hand-offs: one to the writer, one back (its
+    answers and the connection; two when upkeep is due between batches: the answers, then the
+    connection once it is done); none for a batch the loop commits itself (`_alone`)."""
 
     def __init__(
         self,
@@ -199,6 +199,10 @@ class GroupCommitter:
             else:
                 pending.future.set_exception(value)
 
+    def _answer_then_next(self, batch: _Batch) -> None:
+        self._answer(batch)
+        self._next()
+
     def _next(self) -> None:
         """The writer is done with the connection: the next batch, if anything waits."""
         if self._waiting:
@@ -224,6 +228,9 @@ class GroupCommitter:
             try:
                 if batch is not _UPKEEP:  # (after a batch the loop committed: upkeep only)
                     _run_commit(self._commit, batch)
+                    if not self._upkeep_due():  # one hand-back: the answers, then the next
+                        loop.call_soon_threadsafe(self._answer_then_next, batch)
+                        continue
                     loop.call_soon_threadsafe(self._answer, batch)
                 # after the answers are on their way: upkeep holds up the next batch only;
                 # one that failed (a checkpoint) is tried again after the next batches

@@ -206,6 +206,38 @@ class TestWhereTheWorkRuns:
         finally:
             await store.close()
 
+    @pytest.mark.parametrize(("upkeep_due", "hand_backs"), [(False, 1), (True, 2)])
+    async def test_the_writer_hands_a_batch_back_once_unless_upkeep_is_due(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        upkeep_due: bool,
+        hand_backs: int,
+    ) -> None:
+        """Each hand-back to the loop is a wake-up: the answers and the connection go back
+        together, and apart only when a checkpoint between them would hold up the answers."""
+        if upkeep_due:
+            monkeypatch.setattr(sqlite_module, "CHECKPOINT_AFTER_CHANGES", 1)
+        store = SqliteStore(tmp_path / "gw.db", instance="one")  # commits in the writer
+        await store.open()
+        loop = asyncio.get_running_loop()
+        handed: list[str] = []
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not threading.main_thread():
+                handed.append(callback.__name__)
+            return real(callback, *args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        try:
+            admitted = await store.admit(call(1, key="a"))
+            await asyncio.sleep(0.05)  # the connection's hand-back, when it comes apart
+            assert len(handed) == hand_backs, handed
+            assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await store.close()
+
     async def test_closing_answers_every_operation(self, tmp_path: Path) -> None:
         """The batch the writer has is committed; what waits for the next one is refused."""
         store = SqliteStore(tmp_path / "gw.db", instance="one")
