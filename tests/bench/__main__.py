@@ -19,7 +19,8 @@ BENCH_MEMORY_CALLS and BENCH_MEMORY_RESOURCES (default 1,000,000 over 100,000), 
 for a short run while developing (2 rounds of 2 s, a memory row of 100,000 calls over 10,000,
 a cost table of 100 calls). The cost table (tests/bench/costs.py: instructions per call by
 part, from callgrind) needs valgrind; BENCH_COSTS=0 leaves it out. The fdatasync probe
-(tests/bench/fsyncs.py) runs on the databases' filesystem before the rounds and after them.
+(tests/bench/fsyncs.py) runs on the databases' filesystem before the rounds and after them,
+and the store-operation probe (the same module) before them.
 The tables are printed and written to var/bench.md.
 """
 
@@ -413,6 +414,7 @@ async def run() -> str:
     with tempfile.TemporaryDirectory(prefix="fence-bench-") as tmp:
         root = Path(tmp)
         syncs = [fsyncs.fdatasync_ms(root)]
+        store_ops = await fsyncs.store_operation_ms(root)
         async with contextlib.AsyncExitStack() as stack:
             upstream = await stack.enter_async_context(process("tests.bench.upstream"))
             peer = await stack.enter_async_context(process("tests.bench.peer", upstream))
@@ -633,6 +635,11 @@ async def run() -> str:
     sync_note = (
         "fdatasync of a 4 KiB write on the databases' filesystem, before the rounds and after: "
         + "; ".join(f"median {m:.2f} ms, p99 {p:.2f} ms" for m, p in syncs)
+        + ". A store operation on the same filesystem, one call at a time as at one connection "
+        "(tests/bench/fsyncs.py: the gateway's SQLite store, its statements and COMMIT): an "
+        f"admission {store_ops[0]:.2f} ms and an outcome {store_ops[1]:.2f} ms at the median, "
+        f"together {sum(store_ops):.2f} ms, where the one-connection target allows "
+        f"{2 * syncs[0][0] + targets.ONE_CONNECTION_SLACK_MS:.2f} ms for all a call adds"
     )
     if cost_rows is None:
         cost_table = "Cost table: not measured (valgrind missing, or BENCH_COSTS=0)."

@@ -1,5 +1,6 @@
-"""Counting the gateway's fsyncs, to show how many calls share one group commit; and what one
-fdatasync costs on the databases' filesystem (`fdatasync_ms`).
+"""Counting the gateway's fsyncs, to show how many calls share one group commit; what one
+fdatasync costs on the databases' filesystem (`fdatasync_ms`); and what one store operation
+costs there, its COMMIT included (`store_operation_ms`).
 
 The gateway keeps its batch counter to itself, so the bench counts what a batch costs the disk
 instead: `fsync`/`fdatasync` system calls of the gateway process, read from the kernel's
@@ -102,3 +103,61 @@ def fdatasync_ms(directory: Path, count: int = 200) -> tuple[float, float]:
         os.close(fd)
         path.unlink()
     return statistics.median(times), statistics.quantiles(times, n=100)[98]
+
+
+async def store_operation_ms(
+    directory: Path, count: int = 200, warm_up: int = 1000
+) -> tuple[float, float]:
+    """The medians (ms) of an admission and of an outcome on the gateway's own SQLite store
+    (strict) in `directory`, one call at a time as at one connection: each its statements and
+    its COMMIT, on the event loop's thread as a batch that is all the work there is. A COMMIT
+    writes a WAL frame for every page it changed (two `pwrite`s each) and takes and lets go of
+    the WAL's locks before its fdatasync: set beside `fdatasync_ms`, it shows what the
+    one-connection target's allowance of two fdatasyncs leaves out. The first `warm_up` calls
+    are not timed: until the WAL is first checkpointed and starts again from its beginning,
+    every commit makes the file longer, and its fdatasync writes the file's new size too."""
+    from gateway.core.outcomes import Outcome
+    from gateway.store.base import Admitted, Call
+    from gateway.store.sqlite import SqliteStore
+
+    store = SqliteStore(
+        directory / "store-probe.db", instance="bench", durability="strict", active_calls=lambda: 1
+    )
+    await store.open()
+    admissions: list[float] = []
+    outcomes: list[float] = []
+    try:
+        for n in range(warm_up + count):
+            call = Call(
+                resource="bench/probe",
+                fence=1,
+                owner=None,
+                client=None,
+                upstream="tool",
+                method="POST",
+                path="/act",
+                issuer="external",
+                idempotency_key=f"probe-{n}",
+                fingerprint=f"sha256:{n}",
+                retry_statuses=frozenset(),
+                retention_s=30,
+            )
+            started = time.perf_counter()
+            admitted = await store.admit(call)
+            admitted_at = time.perf_counter()
+            assert isinstance(admitted, Admitted), admitted
+            outcome = Outcome(
+                "succeeded",
+                http_status=200,
+                forwarded_at=time.time(),
+                response=([("Content-Type", "application/json")], b'{"ok": true}'),
+            )
+            await store.complete(admitted.receipt_id, outcome)
+            if n >= warm_up:
+                admissions.append((admitted_at - started) * 1000)
+                outcomes.append((time.perf_counter() - admitted_at) * 1000)
+    finally:
+        await store.close()
+        for path in directory.glob("store-probe.db*"):
+            path.unlink()
+    return statistics.median(admissions), statistics.median(outcomes)
