@@ -117,8 +117,9 @@ async def store_operation_ms(
     are not timed: until the WAL is first checkpointed and starts again from its beginning,
     every commit makes the file longer, and its fdatasync writes the file's new size too."""
     from gateway.core.outcomes import Outcome
-    from gateway.store.base import Admitted, Call
+    from gateway.store.base import Admitted
     from gateway.store.sqlite import SqliteStore
+    from tests.bench.growth import store_call
 
     store = SqliteStore(
         directory / "store-probe.db", instance="bench", durability="strict", active_calls=lambda: 1
@@ -128,22 +129,8 @@ async def store_operation_ms(
     outcomes: list[float] = []
     try:
         for n in range(warm_up + count):
-            call = Call(
-                resource="bench/probe",
-                fence=1,
-                owner=None,
-                client=None,
-                upstream="tool",
-                method="POST",
-                path="/act",
-                issuer="external",
-                idempotency_key=f"probe-{n}",
-                fingerprint=f"sha256:{n}",
-                retry_statuses=frozenset(),
-                retention_s=30,
-            )
             started = time.perf_counter()
-            admitted = await store.admit(call)
+            admitted = await store.admit(store_call("bench/probe", f"probe-{n}"))
             admitted_at = time.perf_counter()
             assert isinstance(admitted, Admitted), admitted
             outcome = Outcome(

@@ -27,7 +27,8 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "3"))
 RESOURCES = 100_000
 
 
-def _call(resource: str, key: str) -> Call:
+def store_call(resource: str, key: str) -> Call:
+    """An admission of a fenced call under an external issuer, as the bench's load sends."""
     return Call(
         resource=resource,
         fence=1,
@@ -86,7 +87,9 @@ async def rate(path: Path, word: str) -> float:
         n = 0
         while time.monotonic() < stop:
             n += 1
-            result = await store.admit(_call(f"par/{(w * 7919 + n) % 1000}", f"{word}-{w}-{n}"))
+            result = await store.admit(
+                store_call(f"par/{(w * 7919 + n) % 1000}", f"{word}-{w}-{n}")
+            )
             assert not isinstance(result, Refused | Replayed), result
             await store.complete(result.receipt_id, Outcome("succeeded", http_status=200))
             done += 1
