@@ -23,7 +23,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.cli.demo_gateway import DemoFailed, DemoGateway, Out, Timeline, serve_locally, short
+from gateway.cli.demo_gateway import (
+    TAKEOVER_TTL_S,
+    DemoFailed,
+    DemoGateway,
+    Out,
+    Timeline,
+    serve_locally,
+    short,
+)
 from gateway.client import GatewayClient, GatewayError, LeaseHeld, LeaseLost, fenced_headers
 
 RESOURCE = "chat/room-1"
@@ -89,7 +97,9 @@ async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
                 f"asks for {RESOURCE}: 409 lease_held by {held.holder}, "
                 f"Retry-After {held.retry_after or 1:g} s; waits politely",
             )
-        async with gw.lease(RESOURCE, owner="worker-b", ttl_s=TTL_S, acquire_timeout_s=8) as b:
+        async with gw.lease(
+            RESOURCE, owner="worker-b", ttl_s=TAKEOVER_TTL_S, acquire_timeout_s=8
+        ) as b:
             say("B", f"acquired {RESOURCE}: fence {b.fence} (A's lease expired)")
             sent = await b.post(MESSAGE_PATH, json=MESSAGE)
             say(

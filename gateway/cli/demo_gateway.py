@@ -22,6 +22,9 @@ import aiohttp
 from aiohttp import web
 
 READY_TIMEOUT_S = 10.0
+# Worker B's own lease, once A's has expired: long enough that an acquire retried on a loaded
+# machine (a retried attempt's lease dates from its first send) leaves B time to act.
+TAKEOVER_TTL_S = 10
 
 Out = Callable[[str], Any]
 
