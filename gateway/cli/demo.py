@@ -24,13 +24,13 @@ import aiohttp
 from aiohttp import web
 
 from gateway.cli.demo_gateway import (
-    TAKEOVER_TTL_S,
     DemoFailed,
     DemoGateway,
     Out,
     Timeline,
     serve_locally,
     short,
+    takeover,
 )
 from gateway.client import GatewayClient, GatewayError, LeaseHeld, LeaseLost, fenced_headers
 
@@ -97,9 +97,7 @@ async def _race(gw: GatewayClient, say: Timeline) -> dict[str, str]:
                 f"asks for {RESOURCE}: 409 lease_held by {held.holder}, "
                 f"Retry-After {held.retry_after or 1:g} s; waits politely",
             )
-        async with gw.lease(
-            RESOURCE, owner="worker-b", ttl_s=TAKEOVER_TTL_S, acquire_timeout_s=8
-        ) as b:
+        async with takeover(gw, RESOURCE) as b:
             say("B", f"acquired {RESOURCE}: fence {b.fence} (A's lease expired)")
             sent = await b.post(MESSAGE_PATH, json=MESSAGE)
             say(

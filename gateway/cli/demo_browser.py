@@ -32,13 +32,13 @@ import aiohttp
 from aiohttp import web
 
 from gateway.cli.demo_gateway import (
-    TAKEOVER_TTL_S,
     DemoFailed,
     DemoGateway,
     Out,
     Timeline,
     serve_locally,
     short,
+    takeover,
 )
 from gateway.client import GatewayClient, GatewayError, Lease
 
@@ -240,9 +240,7 @@ async def _race(gw: GatewayClient, shop: str, clicks: list[str], say: Timeline) 
         await _clicked(clicks, 1)
         say("A", f'opened the shop in a tab and clicked "buy": the page saw {clicks[-1]!r}')
         say("A", "starts a slow model call; its lease renewals stall with it")
-        async with gw.lease(
-            RESOURCE, owner="worker-b", ttl_s=TAKEOVER_TTL_S, acquire_timeout_s=8
-        ) as b:
+        async with takeover(gw, RESOURCE) as b:
             say("B", f"acquired {RESOURCE}: fence {b.fence} (A's lease expired)")
             cdp_b = await _connect(gw, b)
             say("B", "connected to the browser through the gateway")

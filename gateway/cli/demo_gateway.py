@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.client import GatewayClient, Lease
+
 READY_TIMEOUT_S = 10.0
 # Worker B's own lease, once A's has expired: long enough that an acquire retried on a loaded
 # machine (a retried attempt's lease dates from its first send) leaves B time to act.
@@ -41,6 +43,11 @@ class Timeline:
 
     def __call__(self, who: str, what: str) -> None:
         self._out(f"  t+{time.monotonic() - self._start:5.2f}s  {who:<2} {what}")
+
+
+def takeover(gw: GatewayClient, resource: str) -> Lease:
+    """Worker B's lease on `resource`, waiting politely (up to 8 s) for A's to expire."""
+    return gw.lease(resource, owner="worker-b", ttl_s=TAKEOVER_TTL_S, acquire_timeout_s=8)
 
 
 def short(receipt_id: str) -> str:

@@ -18,7 +18,7 @@ from typing import get_args
 
 from aiohttp import web
 
-from gateway.config.policy import ResourceRule
+from gateway.config.policy import ResourceRule, Upstream
 from gateway.core import errors
 from gateway.core.fences import FenceRefusal
 from gateway.core.outcomes import Completion, Outcome
@@ -141,6 +141,7 @@ class Forwarding:
         "_body",
         "_client",
         "_flow",
+        "_in_flight",
         "_place",
         "_read_answer",
         "_receipt_id",
@@ -157,17 +158,19 @@ class Forwarding:
     ) -> None:
         self._app, self._flow, self._place = app, flow, place
         self._body, self._client, self._read_answer = body, client, read_answer
+        self._in_flight = app[appkeys.IN_FLIGHT]
         self._answer: Answer | None = None
-        self._receipt_id: str | None = None
+        self._receipt_id = ""
 
     async def __aenter__(self) -> Exchange:
         flow = self._flow
-        if flow.rule is None or flow.upstream is None or flow.call is None or flow.admitted is None:
+        rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
+        if rule is None or upstream is None or call is None or admitted is None:
             raise ValueError("forward needs an admitted flow")
-        self._receipt_id = receipt_id = flow.admitted.receipt_id
-        self._app[appkeys.IN_FLIGHT].add(receipt_id)
+        self._receipt_id = admitted.receipt_id
+        self._in_flight.add(self._receipt_id)
         try:
-            return await self._exchange()
+            return await self._exchange(rule, upstream, call, admitted)
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
@@ -175,14 +178,12 @@ class Forwarding:
     async def __aexit__(self, *exc: object) -> None:
         if self._answer is not None:
             self._answer.release()
-        if self._receipt_id is not None:
-            self._app[appkeys.IN_FLIGHT].discard(self._receipt_id)
+        self._in_flight.discard(self._receipt_id)
 
-    async def _exchange(self) -> Exchange:
+    async def _exchange(
+        self, rule: ResourceRule, upstream: Upstream, call: Call, admitted: Admitted
+    ) -> Exchange:
         app, flow, place = self._app, self._flow, self._place
-        rule, upstream, call, admitted = flow.rule, flow.upstream, flow.call, flow.admitted
-        assert rule is not None and upstream is not None and call is not None
-        assert admitted is not None  # (checked on entry)
         receipt_id = admitted.receipt_id
         store, metrics, failpoints = (
             app[appkeys.STORE],

@@ -639,7 +639,7 @@ async def run() -> str:
         "(tests/bench/fsyncs.py: the gateway's SQLite store, its statements and COMMIT): an "
         f"admission {store_ops[0]:.2f} ms and an outcome {store_ops[1]:.2f} ms at the median, "
         f"together {sum(store_ops):.2f} ms, where the one-connection target allows "
-        f"{2 * syncs[0][0] + targets.ONE_CONNECTION_SLACK_MS:.2f} ms for all a call adds"
+        f"{targets.one_connection_allowance_ms(syncs[0][0]):.2f} ms for all a call adds"
     )
     if cost_rows is None:
         cost_table = "Cost table: not measured (valgrind missing, or BENCH_COSTS=0)."
