@@ -21,11 +21,14 @@ batch, a restore) runs in the writer thread, before the COMMIT, where SQLite's o
 on beside the loop's.
 
 A batch that is all the work there is (every call at work, as `active_calls` counts them,
-waits in it, and none of its operations is bulk) is committed on the loop's thread itself:
+waits in it, and it holds nothing but calls' own operations) is committed on the loop's
+thread itself:
 nothing else would run while the writer thread committed it, and the two hand-offs are
 saved, each the wake-up of a sleeping thread (one agent's calls one after the other: a fifth
 more calls a second here, and a fifth less CPU for each). The WAL's upkeep after such a
-batch, when due, still runs in the writer thread.
+batch, when due, still runs in the writer thread. Any other operation (a heartbeat, a lease,
+a sweep) sends its batch to the writer thread: a call at its tool is at work too, and a
+commit on the loop would hold up its deadline by as long as the fsync takes.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ Result = tuple[bool, Any]  # (True, what the operation returned) or (False, what
 
 
 class _Pending:
-    __slots__ = ("bulk", "durable", "future", "op", "result")
+    __slots__ = ("bulk", "durable", "future", "of_call", "op", "result")
 
-    def __init__(self, op: Op, durable: bool, bulk: bool, future: asyncio.Future[Any]) -> None:
+    def __init__(
+        self, op: Op, durable: bool, bulk: bool, of_call: bool, future: asyncio.Future[Any]
+    ) -> None:
         self.op = op
         self.durable = durable
         self.bulk = bulk
+        self.of_call = of_call
         self.future = future
         self.result: Result | None = None
 
@@ -117,16 +123,20 @@ class GroupCommitter:
         waiting, self._waiting = self._waiting, []
         _fail(waiting, StoreUnavailable("the store is closing"))
 
-    async def submit(self, op: Op, *, durable: bool = False, bulk: bool = False) -> Any:
+    async def submit(
+        self, op: Op, *, durable: bool = False, bulk: bool = False, of_call: bool = False
+    ) -> Any:
         """Run `op` in the next batch; returns once that batch is committed.
 
         `durable` forces an fsync for this batch even in relaxed mode (lease acquires).
         `bulk`: `op` works on many rows, and runs in the writer thread.
+        `of_call`: `op` is a proxied call's own (its admission, refusal or outcome), which the
+        calls at work wait on; only a batch of these may commit on the loop (`_alone`).
         """
         if self._writer is None or self._loop is None:
             raise StoreUnavailable("the store is not open")
         future = self._loop.create_future()
-        self._waiting.append(_Pending(op, durable, bulk, future))
+        self._waiting.append(_Pending(op, durable, bulk, of_call, future))
         if not self._busy:
             self._busy = True
             # soon, not now: what else is ready in this turn of the loop joins the batch
@@ -170,12 +180,13 @@ class GroupCommitter:
             self._batches.put(batch)
 
     def _alone(self, taken: list[_Pending]) -> bool:
-        """Whether the batch is all the work there is: every call at work waits in it."""
+        """Whether the batch is all the work there is: every call at work waits in it, and
+        nothing else does."""
         counted = self._active_calls
         return (
             counted is not None
             and counted() <= len(taken)
-            and not any(pending.bulk for pending in taken)
+            and all(pending.of_call for pending in taken)
         )
 
     def _commit_here(self, batch: _Batch) -> None:

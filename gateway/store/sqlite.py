@@ -315,11 +315,16 @@ class SqliteStore:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
     async def _write(
-        self, op: Callable[[sqlite3.Connection], T], *, durable: bool = False, bulk: bool = False
+        self,
+        op: Callable[[sqlite3.Connection], T],
+        *,
+        durable: bool = False,
+        bulk: bool = False,
+        of_call: bool = False,
     ) -> T:
         if self.committer is None:
             raise StoreUnavailable("the store is not open")
-        result: T = await self.committer.submit(op, durable=durable, bulk=bulk)
+        result: T = await self.committer.submit(op, durable=durable, bulk=bulk, of_call=of_call)
         return result
 
     async def _read(self, op: Callable[[sqlite3.Connection], T]) -> T:
@@ -334,7 +339,7 @@ class SqliteStore:
     # -- admission (docs/contract.md §3 steps 4 to 6, §4) --------------------------------------
 
     async def admit(self, call: Call) -> Admitted | Replayed | Refused:
-        return await self._write(lambda conn: self._admit(conn, call))
+        return await self._write(lambda conn: self._admit(conn, call), of_call=True)
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         """One read (`sqlite_admit`), then the writes: for a new call the fence (only when it
@@ -456,12 +461,16 @@ class SqliteStore:
         return receipt_id
 
     async def reject(self, rejection: Rejection) -> str:
-        return await self._write(lambda conn: self._insert_rejection(conn, rejection, self._now()))
+        return await self._write(
+            lambda conn: self._insert_rejection(conn, rejection, self._now()), of_call=True
+        )
 
     # -- outcomes (§3, "Outcome") -------------------------------------------------------------
 
     async def complete(self, receipt_id: str, outcome: Outcome) -> Completion:
-        return await self._write(lambda conn: self._complete(conn, receipt_id, outcome))
+        return await self._write(
+            lambda conn: self._complete(conn, receipt_id, outcome), of_call=True
+        )
 
     def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> Completion:
         """A `pending` receipt (nearly every call's) takes its outcome in one statement; any
@@ -523,7 +532,8 @@ class SqliteStore:
             lambda conn: conn.execute(
                 "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
                 (self._now(), receipt_id),
-            )
+            ),
+            of_call=True,
         )
 
     async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:

@@ -161,6 +161,22 @@ class TestWhereTheWorkRuns:
         finally:
             await store.close()
 
+    async def test_a_batch_of_other_work_commits_in_the_writer_while_a_call_is_at_work(
+        self, tmp_path: Path
+    ) -> None:
+        """A heartbeat while the one call at work waits at its tool: the batch holds every
+        operation there is, but not the call, whose deadline the loop must keep."""
+        store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: 1)
+        await store.open()
+        commits = commit_threads(store)
+        try:
+            await store.heartbeat()
+            await store.admit(call(1, key="a"))  # the call's own: on the loop, as before
+            assert commits[0].startswith("sqlite-writer")
+            assert commits[1] == threading.current_thread().name
+        finally:
+            await store.close()
+
     async def test_bulk_operations_and_bare_stores_commit_in_the_writer(
         self, tmp_path: Path
     ) -> None:
