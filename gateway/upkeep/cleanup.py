@@ -141,11 +141,11 @@ class Cleaner:
         outcome: Outcome,
         receipt_id: str | None,
     ) -> None:
-        """Count, log and note the attempt's result on the owed row."""
+        """Note the attempt's result on the owed row, then log and count it: what the metric
+        and the log tell is what the store holds."""
         settings, store = self._app[appkeys.SETTINGS], self._app[appkeys.STORE]
         fence = claim.fence or 0
         result = _result_of(outcome)
-        self._app[appkeys.METRICS].cleanups.labels(result).inc()
         fields = {
             "resource": resource,
             "fence": fence,
@@ -179,6 +179,7 @@ class Cleaner:
                 error=outcome.error or f"http_{outcome.http_status}",
             )
             logs.event("cleanup_failed", logging.ERROR, **fields, retry_in_s=retry_in)
+        self._app[appkeys.METRICS].cleanups.labels(result).inc()
 
     async def _call(
         self,
