@@ -22,13 +22,12 @@ on beside the loop's.
 
 A batch that is all the work there is (every call at work, as `active_calls` counts them,
 waits in it, and it holds nothing but calls' own operations) is committed on the loop's
-thread itself:
-nothing else would run while the writer thread committed it, and the two hand-offs are
-saved, each the wake-up of a sleeping thread (one agent's calls one after the other: a fifth
-more calls a second here, and a fifth less CPU for each). The WAL's upkeep after such a
-batch, when due, still runs in the writer thread. Any other operation (a heartbeat, a lease,
-a sweep) sends its batch to the writer thread: a call at its tool is at work too, and a
-commit on the loop would hold up its deadline by as long as the fsync takes.
+thread itself: nothing else would run while the writer thread committed it, and the two
+hand-offs are saved, each the wake-up of a sleeping thread (one agent's calls one after the
+other: a fifth more calls a second here, and a fifth less CPU for each). The WAL's upkeep
+after such a batch, when due, still runs in the writer thread. Any other operation (a
+heartbeat, a lease, a sweep) sends its batch to the writer thread: a call at its tool is at
+work too, and a commit on the loop would hold up its deadline by as long as the fsync takes.
 """
 
 from __future__ import annotations
