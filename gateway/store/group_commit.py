@@ -21,13 +21,13 @@ batch, a restore) runs in the writer thread, before the COMMIT, where SQLite's o
 on beside the loop's.
 
 A batch that is all the work there is (every call at work, as `active_calls` counts them,
-waits in it, and it holds nothing but calls' own operations) is committed on the loop's
-thread itself: nothing else would run while the writer thread committed it, and the two
-hand-offs are saved, each the wake-up of a sleeping thread (one agent's calls one after the
-other: a fifth more calls a second here, and a fifth less CPU for each). The WAL's upkeep
-after such a batch, when due, still runs in the writer thread. Any other operation (a
-heartbeat, a lease, a sweep) sends its batch to the writer thread: a call at its tool is at
-work too, and a commit on the loop would hold up its deadline by as long as the fsync takes.
+waits in it, and none of its operations is bulk) is committed on the loop's thread itself:
+nothing else would run while the writer thread committed it, and the two hand-offs are
+saved, each the wake-up of a sleeping thread (one agent's calls one after the other: a fifth
+more calls a second here, and a fifth less CPU for each). The WAL's upkeep after such a
+batch, when due, still runs in the writer thread. Only calls' own operations (`of_call`)
+count as calls waiting in a batch: a heartbeat beside a call at its tool is not that call,
+and a commit on the loop would hold up the call's deadline by as long as the fsync takes.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class GroupCommitter:
 
         `durable` forces an fsync for this batch even in relaxed mode (lease acquires).
         `bulk`: `op` works on many rows, and runs in the writer thread.
-        `of_call`: `op` is a proxied call's own (its admission, refusal or outcome), which the
-        calls at work wait on; only a batch of these may commit on the loop (`_alone`).
+        `of_call`: `op` is a proxied call's own (its admission, refusal or outcome): the call
+        waits in this batch, as `_alone` counts the calls at work.
         """
         if self._writer is None or self._loop is None:
             raise StoreUnavailable("the store is not open")
@@ -179,13 +179,12 @@ class GroupCommitter:
             self._batches.put(batch)
 
     def _alone(self, taken: list[_Pending]) -> bool:
-        """Whether the batch is all the work there is: every call at work waits in it, and
-        nothing else does."""
+        """Whether the batch is all the work there is: every call at work waits in it."""
         counted = self._active_calls
         return (
             counted is not None
-            and counted() <= len(taken)
-            and all(pending.of_call for pending in taken)
+            and counted() <= sum(pending.of_call for pending in taken)
+            and not any(pending.bulk for pending in taken)
         )
 
     def _commit_here(self, batch: _Batch) -> None:

@@ -165,7 +165,8 @@ class TestWhereTheWorkRuns:
         self, tmp_path: Path
     ) -> None:
         """A heartbeat while the one call at work waits at its tool: the batch holds every
-        operation there is, but not the call, whose deadline the loop must keep."""
+        operation there is, but not the call, whose deadline the loop must keep. Beside the
+        call's own operation, it is committed on the loop as the call's batch."""
         store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: 1)
         await store.open()
         commits = commit_threads(store)
@@ -174,6 +175,8 @@ class TestWhereTheWorkRuns:
             await store.admit(call(1, key="a"))  # the call's own: on the loop, as before
             assert commits[0].startswith("sqlite-writer")
             assert commits[1] == threading.current_thread().name
+            await asyncio.gather(store.heartbeat(), store.admit(call(1, key="b")))
+            assert commits[2] == threading.current_thread().name  # the call waits in it
         finally:
             await store.close()
 
