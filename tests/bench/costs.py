@@ -5,7 +5,8 @@ machines where calls/s do not. Two measurements:
 
 * the whole call: `python -m gateway serve` under callgrind, as the bench runs it (strict,
   JSON log lines at INFO), its counters zeroed after a warm-up, then `CALLS` fenced POSTs from
-  wrk, then dumped: instructions per call of every thread of the process;
+  wrk, then dumped: instructions per call of every thread of the process; the peer
+  (tests/bench/peer.py) counted the same way, the yardstick the calls/s are measured against;
 * the parts: this module run under callgrind (`parts`) with the gateway's own functions called
   in process on the same app (`create_app`): each part runs `CALLS` times between two
   `os.getppid()` calls, and callgrind dumps its counters before each of those
@@ -24,6 +25,7 @@ answer's write.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -244,9 +246,41 @@ def parts(tool: str, calls: int) -> dict[str, float]:
         return {name: _totals(path) / calls for name, path in zip(PARTS, measured, strict=True)}
 
 
+def _whole_process(out: Path) -> list[str]:
+    """callgrind for a serving process: counters zeroed and dumped from outside it."""
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no"]
+
+
+async def _counted_calls(url: str, pid: int, calls: int) -> int:
+    """Fenced POSTs to the process `pid` at `url`, which runs under callgrind: its counters
+    zeroed after 100 calls, dumped after `calls` more. Returns the calls answered."""
+    from tests.bench import wrk
+
+    run = os.urandom(4).hex()
+
+    async def load(n: int, word: str) -> int:
+        args = ("/tool/act", run + word, "par/hot", "1", str(n))
+        result = await wrk.run(url, connections=4, seconds=3600, script="fenced.lua", args=args)
+        await asyncio.sleep(2)  # the calls cut off at the limit finish
+        if result.errors:
+            raise RuntimeError(f"{result.errors} errors under callgrind")
+        return result.requests
+
+    await load(100, "w")
+    _control("--zero", pid)
+    done = await load(calls, "m")
+    _control("--dump", pid)
+    return done
+
+
+def _dumped(root: Path, name: str) -> int:
+    """The instructions of the dump `_counted_calls` asked for (the largest numbered one)."""
+    dumps = [p for p in root.glob(f"{name}.*") if p.stat().st_size]
+    return max(_totals(p) for p in dumps)
+
+
 async def whole(tool: str, calls: int) -> float:
     """Instructions per fenced call of the whole gateway process under callgrind."""
-    from tests.bench import wrk
     from tests.harness import GatewayProcess, make_policy, write_policy
 
     with tempfile.TemporaryDirectory(prefix="fence-costs-") as tmp:
@@ -265,33 +299,41 @@ async def whole(tool: str, calls: int) -> float:
                 "GATEWAY_LOG_LEVEL": "INFO",
             },
             ready_timeout=600,
-            wrapper=[*_valgrind(root / "whole.out")[:2], f"--callgrind-out-file={root}/whole.out",
-                     "--dump-instr=no"],
-        )  # fmt: skip
+            wrapper=_whole_process(root / "whole.out"),
+        )
         await gateway.start()
         try:
             assert gateway.proc is not None
-            pid = gateway.proc.pid
-            run = os.urandom(4).hex()
-
-            async def load(n: int, word: str) -> int:
-                args = ("/tool/act", run + word, "par/hot", "1", str(n))
-                result = await wrk.run(
-                    gateway.url, connections=4, seconds=3600, script="fenced.lua", args=args
-                )
-                await asyncio.sleep(2)  # the calls cut off at the limit finish
-                if result.errors:
-                    raise RuntimeError(f"{result.errors} errors under callgrind")
-                return result.requests
-
-            await load(100, "w")
-            _control("--zero", pid)
-            done = await load(calls, "m")
-            _control("--dump", pid)
+            done = await _counted_calls(gateway.url, gateway.proc.pid, calls)
         finally:
             await gateway.terminate()
-        dumps = [p for p in root.glob("whole.out*") if p.stat().st_size]
-        return max(_totals(p) for p in dumps if p.name != "whole.out") / done
+        return _dumped(root, "whole.out") / done
+
+
+async def peer_whole(tool: str, calls: int) -> float:
+    """Instructions per call of the peer (tests/bench/peer.py), counted as `whole` counts
+    the gateway's: what the same call costs through the proxy a user would write instead."""
+    with tempfile.TemporaryDirectory(prefix="fence-costs-") as tmp:
+        root = Path(tmp)
+        proc = await asyncio.create_subprocess_exec(
+            *_whole_process(root / "peer.out"),
+            sys.executable,
+            "-m",
+            "tests.bench.peer",
+            tool,
+            cwd=REPO_ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            assert proc.stdout is not None
+            port = int(await asyncio.wait_for(proc.stdout.readline(), 600))
+            done = await _counted_calls(f"http://127.0.0.1:{port}", proc.pid, calls)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            await proc.wait()
+        return _dumped(root, "peer.out") / done
 
 
 def _control(option: str, pid: int) -> None:
@@ -301,7 +343,8 @@ def _control(option: str, pid: int) -> None:
 
 
 async def table(tool: str) -> list[list[str]]:
-    """Rows of the cost table: part, instructions per call, share of the whole."""
+    """Rows of the cost table: part, instructions per call, share of the whole; then the
+    peer's whole call, and its share of the gateway's."""
     total = await whole(tool, CALLS)
     by_part = await asyncio.to_thread(parts, tool, CALLS)
     rows = [
@@ -311,6 +354,9 @@ async def table(tool: str) -> list[list[str]]:
     rows.append(["server (the rest: the front, middlewares, loop)", f"{server / 1000:.0f}",
                  f"{server / total:.0%}"])  # fmt: skip
     rows.append(["whole call", f"{total / 1000:.0f}", "100%"])
+    peer = await peer_whole(tool, CALLS)
+    rows.append(["the peer's whole call (no store, no log line)", f"{peer / 1000:.0f}",
+                 f"{peer / total:.0%}"])  # fmt: skip
     return rows
 
 
