@@ -105,27 +105,30 @@ CHECKPOINT_AFTER_CHANGES = 2000
 WAL_MAX_FRAMES = 16384  # 64 MiB of 4 KiB pages
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is cut back to this after a reset
 PAGE_CACHE_KIB = 64 * 1024  # the writer's page cache: the hot indexes' pages stay in memory
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
+# A key is its latest receipt not rejected, while that receipt keeps it (schema 8)
 _KEY_STATE = (
-    f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
-    "WHERE k.resource = ? AND k.key = ?"
+    f"SELECT {KEY_STATE_SELECT} FROM receipts r WHERE r.id = (SELECT max(p.id) FROM receipts p "
+    "WHERE p.idempotency_key = ?2 AND p.resource = ?1 AND p.status != 'rejected') "
+    "AND r.key_retention_s IS NOT NULL"
 )
 
 
+# The outcome, and with it the key's retention from now when the outcome settles it (the
+# last parameter): the key is the receipt's own, so one row takes both.
 _RECORD_OUTCOME = (
-    "UPDATE receipts SET status = ?, http_status = ?, error = ?, late = ?, forwarded_at = ?, "
-    "completed_at = ?, replayable = ?, response_headers = ?, response_body = ?, "
-    "session = coalesce(?, session) WHERE id = ?"
+    "UPDATE receipts SET status = ?1, http_status = ?2, error = ?3, late = ?4, "
+    "forwarded_at = ?5, completed_at = ?6, replayable = ?7, response_headers = ?8, "
+    "response_body = ?9, session = coalesce(?10, session), "
+    "key_expires_at = CASE WHEN ?12 THEN ?6 + key_retention_s ELSE key_expires_at END "
+    "WHERE id = ?11"
 )
 
 
-_SETTLE_KEY = (
-    "UPDATE idempotency_keys SET expires_at = ?1 + retention_s WHERE (resource, key) = "
-    "(SELECT resource, idempotency_key FROM receipts WHERE id = ?2) AND receipt_id = ?2"
-)
+_SETTLE_KEY = "UPDATE receipts SET key_expires_at = ?1 + key_retention_s WHERE id = ?2"
 
 
 def _q(_: int) -> str:
@@ -343,7 +346,7 @@ class SqliteStore:
 
     def _admit(self, conn: sqlite3.Connection, call: Call) -> Admitted | Replayed | Refused:
         """One read (`sqlite_admit`), then the writes: for a new call the fence (only when it
-        advances), the receipt and the key."""
+        advances) and the receipt, which holds the key (schema 8)."""
         now = self._now()
         key, fingerprint = call.idempotency_key, call.fingerprint
         known = sqlite_admit.read(conn, call.resource, key, with_lease=call.issuer == "gateway")
@@ -386,13 +389,6 @@ class SqliteStore:
             return Refused(decision.code, receipt_id, decision.receipt_id)
 
         receipt_id = self._insert_admitted(conn, call, owner, decision.attempt, now)
-        conn.execute(
-            "INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
-            "VALUES (?, ?, ?, ?, NULL) ON CONFLICT (resource, key) DO UPDATE SET "
-            "receipt_id = excluded.receipt_id, retention_s = excluded.retention_s, "
-            "expires_at = NULL",
-            (call.resource, key, receipt_id, call.retention_s),
-        )
         return Admitted(receipt_id, decision.attempt, owner, self.instance)
 
     def _insert_admitted(
@@ -403,13 +399,14 @@ class SqliteStore:
         attempt: int | None,
         now: float,
     ) -> str:
-        """The `pending` receipt of an admitted call or session."""
+        """The `pending` receipt of an admitted call or session; a call's is its key's latest
+        receipt from now on, and keeps the key (`key_retention_s`)."""
         receipt_id = self._new_id(now)
         conn.execute(
             "INSERT INTO receipts (id, resource, fence, owner, client, upstream, method, path, "
             "idempotency_key, fingerprint, attempt, status, created_at, forwarded_at, instance, "
-            "kind, mcp, trace_id) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?)",
+            "kind, mcp, trace_id, key_retention_s) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?)",
             (
                 receipt_id,
                 call.resource,
@@ -428,6 +425,7 @@ class SqliteStore:
                 call.kind,
                 mcp_json(call.mcp),
                 call.trace_id,
+                None if call.idempotency_key is None else call.retention_s,
             ),
         )
         return receipt_id
@@ -473,56 +471,52 @@ class SqliteStore:
         )
 
     def _complete(self, conn: sqlite3.Connection, receipt_id: str, outcome: Outcome) -> Completion:
-        """A `pending` receipt (nearly every call's) takes its outcome in one statement; any
-        other receipt is read first and decided."""
+        """A `pending` receipt (nearly every call's) takes its outcome, and its key's retention,
+        in one statement; any other receipt is read first and decided."""
         now = self._now()
+        completion = outcomes.decide_completion("pending", outcome.status)
         if conn.execute(
             f"{_RECORD_OUTCOME} AND status = 'pending'",
-            self._outcome_values(outcome, now, late=False, receipt_id=receipt_id),
+            self._outcome_values(outcome, now, completion, receipt_id),
         ).rowcount:
-            completion = outcomes.decide_completion("pending", outcome.status)
-        else:
-            row = conn.execute("SELECT status FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
-            completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
-            if completion is Completion.LATE_OUTCOME:
-                # The resolution stands; the tool's own answer is kept beside it for the alert.
-                conn.execute(
-                    "UPDATE receipts SET error = 'late_outcome', late = 1, "
-                    "http_status = ? WHERE id = ?",
-                    (outcome.http_status, receipt_id),
-                )
-            elif completion in (Completion.RECORDED, Completion.LATE):
-                conn.execute(
-                    _RECORD_OUTCOME,
-                    self._outcome_values(
-                        outcome, now, late=completion is Completion.LATE, receipt_id=receipt_id
-                    ),
-                )
-        if outcomes.settles_key(completion, outcome.status):
-            self._settle_key(conn, receipt_id, now)
+            return completion
+        row = conn.execute("SELECT status FROM receipts WHERE id = ?", (receipt_id,)).fetchone()
+        completion = outcomes.decide_completion(row["status"] if row else None, outcome.status)
+        if completion is Completion.LATE_OUTCOME:
+            # The resolution stands; the tool's own answer is kept beside it for the alert.
+            conn.execute(
+                "UPDATE receipts SET error = 'late_outcome', late = 1, http_status = ? "
+                "WHERE id = ?",
+                (outcome.http_status, receipt_id),
+            )
+        elif completion in (Completion.RECORDED, Completion.LATE):
+            conn.execute(
+                _RECORD_OUTCOME, self._outcome_values(outcome, now, completion, receipt_id)
+            )
         return completion
 
     @staticmethod
     def _outcome_values(
-        outcome: Outcome, now: float, *, late: bool, receipt_id: str
+        outcome: Outcome, now: float, completion: Completion, receipt_id: str
     ) -> tuple[object, ...]:
+        """`_RECORD_OUTCOME`'s parameters for an outcome that does `completion`."""
         return (
             outcome.status,
             outcome.http_status,
             outcome.error,
-            int(late),
+            int(completion is Completion.LATE),
             outcome.forwarded_at,
             now,
             int(outcome.replayable),
             *outcome_columns(outcome),
             receipt_id,
+            outcomes.settles_key(completion, outcome.status),
         )
 
     @staticmethod
     def _settle_key(conn: sqlite3.Connection, receipt_id: str, now: float) -> None:
-        """The key's retention starts once its latest receipt is settled: the key that
-        points at this receipt, if any still does. Found by its primary key, the receipt's
-        resource and idempotency key (a key only points at a receipt admitted for it)."""
+        """The key's retention starts once its latest receipt is settled. Set on the receipt
+        whether or not it is still its key's latest: only the latest's counts."""
         conn.execute(_SETTLE_KEY, (now, receipt_id))
 
     async def mark_forwarded(self, receipt_id: str) -> None:
@@ -1037,20 +1031,31 @@ class SqliteStore:
         receipts went."""
 
         def keys(conn: sqlite3.Connection) -> int:
-            return conn.execute(
-                "DELETE FROM idempotency_keys WHERE (resource, key) IN (SELECT resource, key "
-                "FROM idempotency_keys WHERE expires_at < ? LIMIT ?)",
+            # A key is pruned by clearing it from its receipt and every earlier one of it, so
+            # that none of those becomes the key again once the receipt itself is pruned.
+            expired = conn.execute(
+                "SELECT resource, idempotency_key, id FROM receipts WHERE key_expires_at < ? "
+                "LIMIT ?",
                 (self._now(), PRUNE_BATCH),
-            ).rowcount
+            ).fetchall()
+            conn.executemany(
+                "UPDATE receipts SET key_retention_s = NULL, key_expires_at = NULL "
+                "WHERE idempotency_key = ? AND resource = ? AND id <= ? "
+                "AND (key_retention_s IS NOT NULL OR key_expires_at IS NOT NULL)",
+                [(key, resource, receipt_id) for resource, key, receipt_id in expired],
+            )
+            return len(expired)
 
         def receipts(conn: sqlite3.Connection) -> int:
             # Index range seeks only: receipts_by_completion (`completed_at < ?` implies its
-            # `completed_at IS NOT NULL`), and each key by its primary key
+            # `completed_at IS NOT NULL`); a receipt that still keeps its key is kept, unless
+            # a later one of the key has taken the key over (found by receipts_by_key)
             return conn.execute(
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
-                f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM "
-                "idempotency_keys k WHERE k.resource = r.resource AND k.key = r.idempotency_key "
-                "AND k.receipt_id = r.id) LIMIT ?)",
+                f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND (r.key_retention_s IS NULL OR "
+                "EXISTS (SELECT 1 FROM receipts p WHERE p.idempotency_key = r.idempotency_key "
+                "AND p.resource = r.resource AND p.id > r.id AND p.status != 'rejected')) "
+                "LIMIT ?)",
                 (self._now() - receipt_retention_s, PRUNE_BATCH),
             ).rowcount
 

@@ -1,7 +1,7 @@
 """What an admission on SQLite reads (docs/contract.md §3 steps 4 and 5, §18), in one
 statement: the resource's fences row, the store-wide fence floor and glob raises, its lease
-(for a gateway issuer's call), the idempotency key's latest receipt and, without one, how
-many attempts earlier receipts of the key made (its record was pruned).
+(for a gateway issuer's call), the idempotency key's latest receipt while the key is kept
+and, without one, how many attempts earlier receipts of the key made (the key was pruned).
 
 One statement instead of five, each its own trip through the sqlite3 module and SQLite's
 virtual machine, in the writer thread that every admission waits on. The reads are exact (the
@@ -40,8 +40,10 @@ def _statement(with_lease: bool) -> str:
         "LEFT JOIN fences f ON f.resource = ?1 "
         "LEFT JOIN fence_floor ff ON ff.id = 1 "
         + ("LEFT JOIN leases l ON l.resource = ?1 " if with_lease else "")
-        + "LEFT JOIN idempotency_keys k ON k.resource = ?1 AND k.key = ?2 "
-        "LEFT JOIN receipts r ON r.id = k.receipt_id"
+        # the key's latest receipt, if its key is kept (schema 8)
+        + "LEFT JOIN receipts r ON r.id = (SELECT max(p.id) FROM receipts p WHERE "
+        "p.idempotency_key = ?2 AND p.resource = ?1 AND p.status != 'rejected') "
+        "AND r.key_retention_s IS NOT NULL"
     )
 
 

@@ -55,18 +55,14 @@ def fill(path: Path, rows: int) -> None:
     conn.execute("PRAGMA synchronous=OFF")
     now = time.time()
     conn.execute("BEGIN")
-    conn.executemany(
+    conn.executemany(  # each receipt its key's latest, kept 3,600 s after it settled
         "INSERT INTO receipts (id, resource, fence, upstream, method, path, idempotency_key, "
         "fingerprint, attempt, status, http_status, created_at, forwarded_at, completed_at, "
-        "instance, replayable) VALUES (printf('00000%021d', ?1), 'fill/' || (?1 % ?2), 1, "
+        "instance, replayable, key_retention_s, key_expires_at) VALUES "
+        "(printf('00000%021d', ?1), 'fill/' || (?1 % ?2), 1, "
         "'tool', 'POST', '/act', printf('gw-%x', ?1 * 2654435761 % 4294967296) || ?1, "
-        "'f', 1, 'succeeded', 200, ?3, ?3, ?3, 'old', 0)",
+        "'f', 1, 'succeeded', 200, ?3, ?3, ?3, 'old', 0, 3600, ?3 + 3600)",
         ((n, RESOURCES, now) for n in range(rows)),
-    )
-    conn.execute(
-        "INSERT INTO idempotency_keys (resource, key, receipt_id, retention_s, expires_at) "
-        "SELECT resource, idempotency_key, id, 3600, completed_at + 3600 FROM receipts "
-        "WHERE instance = 'old'"
     )
     conn.execute("INSERT INTO fences (resource, accepted) SELECT DISTINCT resource, 1 "
                  "FROM receipts WHERE instance = 'old' ON CONFLICT DO NOTHING")  # fmt: skip

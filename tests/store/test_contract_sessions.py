@@ -11,9 +11,9 @@ import pytest
 
 from gateway.core.sessions import FenceState, SessionRecord, ended_by_gateway
 from gateway.core.times import rfc3339
-from gateway.store.base import Admitted, Call, Outcome, Refused, Rejection
+from gateway.store.base import Admitted, Call, Outcome, Refused, Rejection, Replayed
 from gateway.store.sqlite import SCHEMA_VERSION, SchemaTooNew, SqliteStore
-from tests.store.test_contract import NO_WAIT, call
+from tests.store.test_contract import NO_WAIT, call, ok
 
 
 def session(fence: int, resource: str = "acct/1", issuer: str = "external") -> Call:
@@ -147,6 +147,7 @@ class TestSqliteSchema:
         admitted = await first.admit(call(3))
         await first.close()
         with sqlite3.connect(path) as conn:  # back to the schema before version 2
+            _back_to_version_7(conn)
             conn.execute("ALTER TABLE receipts DROP COLUMN trace_id")  # version 6's (§21)
             conn.execute("ALTER TABLE receipts DROP COLUMN mcp")  # version 3's
             conn.execute("DROP TABLE checkpoints")  # version 4's
@@ -167,10 +168,50 @@ class TestSqliteSchema:
                 None,
             )
             assert isinstance(await second.admit(session(3)), Admitted)
+            # its key came along: the call's receipt still holds it
+            assert (await second.admit(call(3))).code == "outcome_unknown"
         finally:
             await second.close()
         with sqlite3.connect(path) as conn:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+    async def test_keys_move_from_their_table_onto_their_receipts(self, tmp_path: Path) -> None:
+        """Version 8: each key's state, in flight, settled (with its expiry) or retried after
+        a failure, is its latest receipt's, as the table of version 7 held it."""
+        path = tmp_path / "gw.db"
+        first = SqliteStore(path, instance="one")
+        await first.open()
+        settled = await first.admit(call(1, key="settled"))
+        await first.complete(settled.receipt_id, ok())
+        failed = await first.admit(call(1, key="retried"))
+        await first.complete(failed.receipt_id, ok(503))  # a retry status: a new attempt
+        retried = await first.admit(call(1, key="retried"))
+        in_flight = await first.admit(call(1, key="in-flight"))
+        await first.close()
+        key_sql = "SELECT resource, key, receipt_id, retention_s, expires_at FROM idempotency_keys"
+        with sqlite3.connect(path) as conn:
+            before = sorted(conn.execute(key_sql).fetchall())
+            _back_to_version_7(conn)
+            assert sorted(conn.execute(key_sql).fetchall()) == before
+            conn.execute("PRAGMA user_version = 7")
+        assert [row[2] for row in before] == [
+            in_flight.receipt_id,
+            retried.receipt_id,
+            settled.receipt_id,
+        ]
+        assert before[2][4] is not None and before[0][4] is None  # settled: it expires
+        second = SqliteStore(path, instance="two")
+        await second.open()
+        try:
+            replayed = await second.admit(call(1, key="settled"))
+            assert isinstance(replayed, Replayed) and replayed.receipt_id == settled.receipt_id
+            for key in ("retried", "in-flight"):  # pending when the first process stopped
+                assert (await second.admit(call(1, key=key))).code == "outcome_unknown"
+        finally:
+            await second.close()
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+            assert sorted(conn.execute(key_sql).fetchall()) == before
 
     async def test_a_newer_schema_is_refused(self, tmp_path: Path) -> None:
         path = tmp_path / "gw.db"
@@ -181,3 +222,25 @@ class TestSqliteSchema:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
         with pytest.raises(SchemaTooNew):
             await SqliteStore(path, instance="two").open()
+
+
+def _back_to_version_7(conn: sqlite3.Connection) -> None:
+    """A database of this gateway as version 7 kept it: its keys in a table of their own."""
+    conn.execute("DROP VIEW idempotency_keys")
+    conn.execute("DROP INDEX receipts_by_key_expiry")
+    conn.execute(
+        "CREATE TABLE idempotency_keys (resource TEXT NOT NULL, key TEXT NOT NULL, "
+        "receipt_id TEXT NOT NULL, retention_s REAL NOT NULL, expires_at REAL, "
+        "PRIMARY KEY (resource, key)) WITHOUT ROWID"
+    )
+    conn.execute(
+        "CREATE INDEX keys_by_expiry ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL"
+    )
+    conn.execute(  # each key's latest receipt not rejected, while it keeps the key
+        "INSERT INTO idempotency_keys SELECT r.resource, r.idempotency_key, r.id, "
+        "r.key_retention_s, r.key_expires_at FROM receipts r WHERE r.key_retention_s IS NOT NULL "
+        "AND r.id = (SELECT max(p.id) FROM receipts p WHERE p.idempotency_key = "
+        "r.idempotency_key AND p.resource = r.resource AND p.status != 'rejected')"
+    )
+    conn.execute("ALTER TABLE receipts DROP COLUMN key_expires_at")
+    conn.execute("ALTER TABLE receipts DROP COLUMN key_retention_s")

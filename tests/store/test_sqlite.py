@@ -303,20 +303,24 @@ class TestWriterWork:
     """What a call runs on the writer connection: few statements, and no checkpoint in a
     commit."""
 
-    async def test_a_new_call_is_one_read_and_two_writes(self, tmp_path: Path) -> None:
+    async def test_a_new_call_is_one_read_and_one_write_then_one_update(
+        self, tmp_path: Path
+    ) -> None:
+        """The key is its receipt's (schema 8): neither the admission nor the outcome writes
+        a row of its own for it."""
         store = SqliteStore(tmp_path / "gw.db", instance="one")
         await store.open()
         try:
             await store.admit(call(1, key="first"))  # the resource's fence row is written
             seen = _statements(store)
             admitted = await store.admit(call(1, key="second"))
-            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT", "INSERT"]
+            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT"]
             seen.clear()
             assert await store.complete(admitted.receipt_id, ok()) == "recorded"
-            assert [s.split()[0] for s in _writes(seen)] == ["UPDATE", "UPDATE"]
+            assert [s.split()[0] for s in _writes(seen)] == ["UPDATE"]
             seen.clear()
             await store.admit(call(2, key="third"))  # a higher fence: the row advances
-            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT", "INSERT", "INSERT"]
+            assert [s.split()[0] for s in _writes(seen)] == ["SELECT", "INSERT", "INSERT"]
         finally:
             await store.close()
 
@@ -400,7 +404,7 @@ class TestIndexes:
                     ]  # fmt: skip
                     assert not scans, (statement, scans)
                 plans = " ".join(" ".join(_plan(conn, s)) for s in statements)
-                assert "receipts_by_completion" in plans and "keys_by_expiry" in plans
+                assert "receipts_by_completion" in plans and "receipts_by_key_expiry" in plans
         finally:
             await store.close()
 
@@ -415,6 +419,6 @@ class TestIndexes:
                     "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
                 ).fetchall()
             )
-        assert "keys_by_receipt" not in indexes
-        assert indexes["keys_by_expiry"].endswith("WHERE expires_at IS NOT NULL")
+        assert "keys_by_receipt" not in indexes and "keys_by_expiry" not in indexes
+        assert indexes["receipts_by_key_expiry"].endswith("WHERE key_expires_at IS NOT NULL")
         assert indexes["receipts_by_completion"].endswith("WHERE completed_at IS NOT NULL")
