@@ -109,11 +109,10 @@ SCHEMA_VERSION = 8
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
-# A key is its latest receipt not rejected, while that receipt keeps it (schema 8)
+# The view `idempotency_keys` says which receipt is a key's (schema 8)
 _KEY_STATE = (
-    f"SELECT {KEY_STATE_SELECT} FROM receipts r WHERE r.id = (SELECT max(p.id) FROM receipts p "
-    "WHERE p.idempotency_key = ?2 AND p.resource = ?1 AND p.status != 'rejected') "
-    "AND r.key_retention_s IS NOT NULL"
+    f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
+    "WHERE k.resource = ? AND k.key = ?"
 )
 
 
@@ -126,9 +125,6 @@ _RECORD_OUTCOME = (
     "key_expires_at = CASE WHEN ?12 THEN ?6 + key_retention_s ELSE key_expires_at END "
     "WHERE id = ?11"
 )
-
-
-_SETTLE_KEY = "UPDATE receipts SET key_expires_at = ?1 + key_retention_s WHERE id = ?2"
 
 
 def _q(_: int) -> str:
@@ -513,12 +509,6 @@ class SqliteStore:
             outcomes.settles_key(completion, outcome.status),
         )
 
-    @staticmethod
-    def _settle_key(conn: sqlite3.Connection, receipt_id: str, now: float) -> None:
-        """The key's retention starts once its latest receipt is settled. Set on the receipt
-        whether or not it is still its key's latest: only the latest's counts."""
-        conn.execute(_SETTLE_KEY, (now, receipt_id))
-
     async def mark_forwarded(self, receipt_id: str) -> None:
         """The call leaves now, later than its admission (it waited for older calls): the
         time a reconciler must wait counts from here, so this is durable before it leaves."""
@@ -589,12 +579,12 @@ class SqliteStore:
             ready_at = waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
             if not may_resolve(row["status"], ready_at, now):
                 return ResolveRefused.NOT_RECONCILABLE
-            [updated] = conn.execute(
-                "UPDATE receipts SET status = 'reconciled', resolution = ?, "
-                f"completed_at = coalesce(completed_at, ?) WHERE id = ? RETURNING {RECEIPT_SELECT}",
+            [updated] = conn.execute(  # settled: its key's retention starts now
+                "UPDATE receipts SET status = 'reconciled', resolution = ?1, "
+                "completed_at = coalesce(completed_at, ?2), key_expires_at = ?2 + key_retention_s "
+                f"WHERE id = ?3 RETURNING {RECEIPT_SELECT}",
                 (resolution_json(outcome, source, note, now), now, receipt_id),
             ).fetchall()
-            self._settle_key(conn, receipt_id, now)
             return receipt_of(updated)
 
         return await self._write(op)
@@ -1032,7 +1022,8 @@ class SqliteStore:
 
         def keys(conn: sqlite3.Connection) -> int:
             # A key is pruned by clearing it from its receipt and every earlier one of it, so
-            # that none of those becomes the key again once the receipt itself is pruned.
+            # that none of those becomes the key again once the receipt itself is pruned (a
+            # receipt with an expiry has a retention: clearing the one clears both).
             expired = conn.execute(
                 "SELECT resource, idempotency_key, id FROM receipts WHERE key_expires_at < ? "
                 "LIMIT ?",
@@ -1041,7 +1032,7 @@ class SqliteStore:
             conn.executemany(
                 "UPDATE receipts SET key_retention_s = NULL, key_expires_at = NULL "
                 "WHERE idempotency_key = ? AND resource = ? AND id <= ? "
-                "AND (key_retention_s IS NOT NULL OR key_expires_at IS NOT NULL)",
+                "AND key_retention_s IS NOT NULL",
                 [(key, resource, receipt_id) for resource, key, receipt_id in expired],
             )
             return len(expired)

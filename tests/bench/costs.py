@@ -48,15 +48,14 @@ def available() -> bool:
     return shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
 
 
+def _whole_process(out: Path) -> list[str]:
+    """callgrind for a serving process: counters zeroed and dumped from outside it."""
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no"]
+
+
 def _valgrind(out: Path) -> list[str]:
-    return [
-        "valgrind",
-        "--tool=callgrind",
-        f"--callgrind-out-file={out}",
-        "--dump-before=getppid",
-        "--dump-instr=no",
-        "--compress-strings=no",
-    ]
+    """callgrind for `parts`: a dump before each `os.getppid()`."""
+    return [*_whole_process(out), "--dump-before=getppid", "--compress-strings=no"]
 
 
 def _totals(path: Path) -> int:
@@ -244,11 +243,6 @@ def parts(tool: str, calls: int) -> dict[str, float]:
         dumps = sorted(Path(tmp).glob("parts.out.*"), key=lambda p: int(p.suffix[1:]))
         measured = dumps[-len(PARTS) :]
         return {name: _totals(path) / calls for name, path in zip(PARTS, measured, strict=True)}
-
-
-def _whole_process(out: Path) -> list[str]:
-    """callgrind for a serving process: counters zeroed and dumped from outside it."""
-    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no"]
 
 
 async def _counted_calls(url: str, pid: int, calls: int) -> int:

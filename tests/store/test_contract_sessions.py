@@ -226,21 +226,17 @@ class TestSqliteSchema:
 
 def _back_to_version_7(conn: sqlite3.Connection) -> None:
     """A database of this gateway as version 7 kept it: its keys in a table of their own."""
-    conn.execute("DROP VIEW idempotency_keys")
-    conn.execute("DROP INDEX receipts_by_key_expiry")
     conn.execute(
-        "CREATE TABLE idempotency_keys (resource TEXT NOT NULL, key TEXT NOT NULL, "
+        "CREATE TABLE keys_v7 (resource TEXT NOT NULL, key TEXT NOT NULL, "
         "receipt_id TEXT NOT NULL, retention_s REAL NOT NULL, expires_at REAL, "
         "PRIMARY KEY (resource, key)) WITHOUT ROWID"
     )
+    conn.execute("INSERT INTO keys_v7 SELECT * FROM idempotency_keys")  # the view's rows
+    conn.execute("DROP VIEW idempotency_keys")
+    conn.execute("ALTER TABLE keys_v7 RENAME TO idempotency_keys")
     conn.execute(
         "CREATE INDEX keys_by_expiry ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL"
     )
-    conn.execute(  # each key's latest receipt not rejected, while it keeps the key
-        "INSERT INTO idempotency_keys SELECT r.resource, r.idempotency_key, r.id, "
-        "r.key_retention_s, r.key_expires_at FROM receipts r WHERE r.key_retention_s IS NOT NULL "
-        "AND r.id = (SELECT max(p.id) FROM receipts p WHERE p.idempotency_key = "
-        "r.idempotency_key AND p.resource = r.resource AND p.status != 'rejected')"
-    )
+    conn.execute("DROP INDEX receipts_by_key_expiry")
     conn.execute("ALTER TABLE receipts DROP COLUMN key_expires_at")
     conn.execute("ALTER TABLE receipts DROP COLUMN key_retention_s")
