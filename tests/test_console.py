@@ -224,7 +224,10 @@ class TestChanges:
         self, gw: InProcessGateway, upstream: RecordingUpstream
     ) -> None:
         receipt_id = await lost_call(gw, upstream, "k-3")
-        upstream.script("/api/ops/k-3", Behavior(status=404))
+        # the key the lost call carried: lost_call makes it again under a new key when the
+        # tool was never reached, and the probe asks for the receipt's own
+        _, lost = await api(gw, "GET", f"/receipts/{receipt_id}")
+        upstream.script(f"/api/ops/{lost['idempotency_key']}", Behavior(status=404))
         await sign_in(gw, "reconciler")
         _, _, queue = await get(gw, f"{CONSOLE}/queue")
         status, _, _ = await post(
