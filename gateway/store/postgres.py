@@ -103,7 +103,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -165,6 +165,9 @@ _RUN_HEAD = (
 _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 
 # After the lock: the lease, the key's latest receipt and, without one, the earlier attempts.
+# A key's receipt is joined by its id alone (ids are unique, and a key's receipt is of its
+# resource): joined by resource and id, a plan made while `receipts` was empty (a connection
+# plans a statement on first use) read every receipt of the resource and kept the one id.
 _LEASE_AND_KEY = ", ".join(
     [f"l.{c} AS l_{c}" for c in LEASE_COLUMNS] + [f"r.{c} AS k_{c}" for c in KEY_STATE_COLUMNS]
 )
@@ -175,12 +178,12 @@ _ADMIT_READ = (
     "FROM (VALUES (1)) AS one (x) "
     "LEFT JOIN leases l ON l.resource = $1 "
     "LEFT JOIN idempotency_keys k ON k.resource = $1 AND k.key = $2 "
-    "LEFT JOIN receipts r ON r.resource = k.resource AND r.id = k.receipt_id"
+    "LEFT JOIN receipts r ON r.id = k.receipt_id"
 )
 
 _KEY_STATE = (
     f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r "
-    "ON r.resource = k.resource AND r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2"
+    "ON r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2"
 )
 
 _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resource = {resource}"
@@ -215,7 +218,9 @@ _ADMIT = (
     "$13, f.turn, $16, $17 "
     "FROM f) "
     "SELECT f.turn, EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
-    "AND o.status = 'pending' AND (o.fence < $3 OR o.turn < f.turn)) AS ahead FROM f"
+    "AND o.status = 'pending' AND o.fence < $3) OR (f.turn IS NOT NULL AND EXISTS ("
+    "SELECT 1 FROM receipts o WHERE o.resource = $1 AND o.status = 'pending' "
+    "AND o.turn < f.turn)) AS ahead FROM f"
 )
 # The same admission in one statement, for the state `admit_fresh` (schema version 9) is sure
 # of: a row when it admitted, none when it wrote nothing. $1 to $10 as `_ADMIT`'s, then the
@@ -237,10 +242,14 @@ _ADMIT_SESSION = (
     "SELECT EXISTS (SELECT 1 FROM receipts o WHERE o.resource = $1 "
     "AND o.status = 'pending' AND o.fence < $3) AS ahead"
 )
-# The same question later, while the call waits.
+# The same question later, while the call waits. Asked as two questions, not as one with
+# `fence < $2 OR turn < $3`: a plan for any $3 cannot leave out the turn a call outside a
+# serial rule does not have (NULL), and so read every pending call of the resource to test
+# it; the fence alone is a range of `receipts_pending`.
 _AHEAD = (
     "SELECT EXISTS (SELECT 1 FROM receipts WHERE resource = $1 AND status = 'pending' "
-    "AND (fence < $2 OR turn < $3))"
+    "AND fence < $2) OR ($3::bigint IS NOT NULL AND EXISTS (SELECT 1 FROM receipts "
+    "WHERE resource = $1 AND status = 'pending' AND turn < $3))"
 )
 
 # An outcome onto a receipt: $1 to $9 are the outcome as stored (`_outcome_args`; a session
@@ -255,7 +264,11 @@ _RECORD = (
     "WHERE $11 AND k.resource = r.resource AND k.key = r.idempotency_key "
     "AND k.receipt_id = $1) SELECT count(*) FROM r"
 )
-_RECORD_PENDING = _RECORD.format(only_pending="AND status = 'pending'")
+# `coalesce` on a NOT NULL column changes nothing but the plan: a plan made while `receipts`
+# was empty (a connection's statements are planned on first use) took `status = 'pending'`
+# for the partial index `receipts_pending` and read every pending call's entry in it to find
+# the one id; no index serves the condition written this way, and `receipts_by_id` finds it.
+_RECORD_PENDING = _RECORD.format(only_pending="AND coalesce(status, '') = 'pending'")
 _RECORD_LOCKED = _RECORD.format(only_pending="")
 
 _SETTLE_KEY = (

@@ -476,6 +476,56 @@ class TestUnderTheLock:
             await store.close()
 
 
+class TestPlans:
+    @pytest.mark.parametrize("durability", ["strict", "relaxed"])  # admit_fresh; the full path
+    async def test_admissions_and_outcomes_read_no_more_receipts_as_the_resource_has_more(
+        self, tmp_path: Path, durability: str
+    ) -> None:
+        """A connection plans its statements on first use: here, on a new database, while
+        `receipts` is empty. In those plans, for 60 calls of one resource all pending at
+        once, each of these read every receipt of the resource, or every pending one, to
+        keep one or none: `admit_fresh`'s check for a receipt this instance made after the
+        id (twice an admission: 3,540 heap fetches); the full admission's read of the key's
+        receipt (1,770); the calls ahead, asked at admission and again while a call waits
+        (1,770 each); an outcome's receipt (1,770). Each now reads the receipts its answer
+        depends on: none but the one an outcome is for."""
+        store = PostgresStore(pg_database(tmp_path), instance="test-1", durability=durability)
+        await store.open()
+        calls = 60
+        try:
+            admitted = [await store.admit(call(1, key=f"k{n}")) for n in range(calls)]
+            for each in admitted:
+                assert isinstance(each, Admitted) and each.attempt == 1
+                assert not each.ahead and not await store.pending_ahead(RESOURCE, 1, None)
+            for each in admitted:
+                assert await store.complete(each.receipt_id, ok()) == "recorded"
+        finally:
+            await store.close()
+        fetched = await heap_fetches(pg_database(tmp_path), "receipts")
+        assert fetched < 2 * calls, fetched  # the outcomes', one a call
+
+
+async def heap_fetches(url: str, table: str) -> int:
+    """Rows of `table` fetched through an index, by every session of the database so far:
+    read once they have all ended (a session's counts are published when it ends)."""
+    conn = await asyncpg.connect(url)
+    try:
+        for _ in range(100):
+            others = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            if others == 0:
+                break
+            await asyncio.sleep(0.05)
+        fetched: int = await conn.fetchval(
+            "SELECT idx_tup_fetch FROM pg_stat_user_tables WHERE relname = $1", table
+        )
+        return fetched
+    finally:
+        await conn.close()
+
+
 def test_relaxed_and_sync_keep_the_transaction(tmp_path: Path) -> None:
     url = pg_database(tmp_path)
     relaxed = PostgresStore(url, instance="r", durability="relaxed")
