@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from importlib import resources
@@ -77,6 +77,7 @@ from gateway.store.base import (
 from gateway.store.floor_rows import fence_row_of
 from gateway.store.ids import MonotonicUlid
 from gateway.store.pg_hosts import NoWritableHost
+from gateway.store.pg_outcomes import OutcomeBatches
 from gateway.store.pg_primary import START_TIMEOUT_S, PostgresStartupError, PrimaryLink
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
@@ -252,24 +253,25 @@ _AHEAD = (
     "WHERE resource = $1 AND status = 'pending' AND turn < $3))"
 )
 
-# An outcome onto a receipt: $1 to $9 are the outcome as stored (`_outcome_args`; a session
-# object of None keeps the one there), $10 whether it is late, $11 whether it settles the key
-# (its retention starts).
-_RECORD = (
+# An outcome onto a receipt no longer `pending` (a late one, decided under the receipt's lock):
+# $1 to $9 are the outcome as stored (`_outcome_args`; a session object of None keeps the one
+# there), $10 whether it is late, $11 whether it settles the key (its retention starts).
+_RECORD_LOCKED = (
     "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $10, "
     f"forwarded_at = $5, completed_at = {_NOW}, replayable = $6, response_headers = $7, "
-    "response_body = $8, session = coalesce($9, session) WHERE id = $1 {only_pending} "
+    "response_body = $8, session = coalesce($9, session) WHERE id = $1 "
     "RETURNING resource, idempotency_key, completed_at), "
     "k AS (UPDATE idempotency_keys k SET expires_at = r.completed_at + k.retention_s FROM r "
     "WHERE $11 AND k.resource = r.resource AND k.key = r.idempotency_key "
     "AND k.receipt_id = $1) SELECT count(*) FROM r"
 )
-# `coalesce` on a NOT NULL column changes nothing but the plan: a plan made while `receipts`
-# was empty (a connection's statements are planned on first use) took `status = 'pending'`
-# for the partial index `receipts_pending` and read every pending call's entry in it to find
-# the one id; no index serves the condition written this way, and `receipts_by_id` finds it.
-_RECORD_PENDING = _RECORD.format(only_pending="AND coalesce(status, '') = 'pending'")
-_RECORD_LOCKED = _RECORD.format(only_pending="")
+# The outcomes of `pending` receipts, each as `_RECORD_LOCKED`'s parameters, one array a
+# parameter (schema 10, gateway.store.pg_outcomes): the ids of the receipts that took theirs.
+_RECORD_PENDING = (
+    "SELECT record_outcomes($1::text[], $2::text[], $3::integer[], $4::text[], "
+    "$5::float8[], $6::boolean[], $7::text[], $8::bytea[], $9::text[], $10::boolean[], "
+    "$11::boolean[]) AS id"
+)
 
 _SETTLE_KEY = (
     "UPDATE idempotency_keys SET expires_at = $4 + retention_s "
@@ -327,6 +329,20 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 
 def _database_errors() -> tuple[type[BaseException], ...]:
     return (asyncpg.PostgresError, NoWritableHost, *_LOST_CONNECTION)
+
+
+def _refused_by_server(exc: BaseException) -> bool:
+    """Whether a statement failed on what it was sent (asyncpg could not encode a value, or
+    the server refused it), rather than on the way there (`_LOST_CONNECTION`)."""
+    cause = exc.__cause__
+    return isinstance(cause, asyncpg.DataError) or (
+        isinstance(cause, asyncpg.PostgresError) and not isinstance(cause, _LOST_CONNECTION)
+    )
+
+
+async def _record_pending(conn: Any, rows: Sequence[tuple[Any, ...]]) -> set[str]:
+    """`_RECORD_PENDING` for these outcomes: the ids of the receipts that took theirs."""
+    return {row["id"] for row in await conn.fetch(_RECORD_PENDING, *zip(*rows, strict=True))}
 
 
 def _admission_args(
@@ -409,6 +425,10 @@ class PostgresStore:
         # was lost): never forwarded, they are completed `not_sent`, with the error each is
         # kept with, at the next heartbeat that reaches a store taking writes.
         self._unsent: dict[str, str] = {}
+        self._outcomes = OutcomeBatches(
+            lambda rows: self._run(lambda conn: _record_pending(conn, rows), writes=True),
+            _refused_by_server,
+        )
 
     @property
     def replication_problem(self) -> str | None:
@@ -811,21 +831,21 @@ class PostgresStore:
             return await self._complete(receipt_id, outcome)
 
     async def _complete(self, receipt_id: str, outcome: Outcome) -> Completion:
-        """A `pending` receipt (the usual case) takes its outcome in one conditional
-        statement: one round trip (three in `relaxed` mode, for its `SET LOCAL`). Anything
-        else locks the receipt and asks `gateway.core.outcomes`: four."""
+        """A `pending` receipt (the usual case) takes its outcome in one statement, with the
+        other outcomes ready at the same time (`OutcomeBatches`): its share of one round
+        trip. Under `relaxed` (for its `SET LOCAL`) and `sync` (whose COMMIT's wait is
+        watched) each outcome takes a transaction of its own: three. Anything else locks the
+        receipt and asks `gateway.core.outcomes`: four."""
         stored = self._outcome_args(receipt_id, outcome)  # encoded once, for either path
         # What the pure decision says for the `pending` receipt the statement requires.
         completion = outcomes.decide_completion("pending", outcome.status)
         args = self._record_args(stored, outcome, completion)
-
-        async def fast(conn: Any) -> int:
-            return int(await conn.fetchval(_RECORD_PENDING, *args))
-
         if self._relaxed or self._link.sync:  # sync: the COMMIT's wait is watched (§19)
-            recorded = await self._tx(fast, relaxed=True)
+            recorded = bool(
+                await self._tx(lambda conn: _record_pending(conn, [args]), relaxed=True)
+            )
         else:
-            recorded = await self._run(fast, writes=True)
+            recorded = await self._outcomes.record(args)
         if recorded:
             return completion
         return await self._tx(

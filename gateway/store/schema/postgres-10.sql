@@ -1,5 +1,5 @@
 -- Schema version 10: `admit_fresh` reads only the receipts its answer depends on, whatever
--- plan a connection makes for it.
+-- plan a connection makes for it; `record_outcomes` records many outcomes in one statement.
 --
 -- Its plpgsql statements are planned once per connection, and generic plans made while
 -- `receipts` was empty (a new database, its first calls) read far more than they needed, more
@@ -105,5 +105,57 @@ BEGIN
         p_key, p_fingerprint, p_attempt, 'pending', now_s, now_s, p_instance, taken_turn,
         p_mcp, p_trace_id);
     RETURN NEXT;
+END
+$$;
+
+-- The outcomes of calls whose receipts are `pending`, recorded together: one statement and
+-- one commit for all the outcomes a replica has ready at once, where each took a statement, a
+-- commit and a round trip of its own. Element i of every array is one outcome: the receipt's
+-- id, then what it stores (a session object of NULL keeps the one there), whether it is late
+-- and whether it settles the key (its retention starts). Each is recorded as one alone would
+-- be, in the order given; the ids recorded are returned, and one not returned was no longer
+-- `pending`: the gateway decides its outcome alone.
+--
+-- One statement per receipt, not one over all of them: the single-row plans are the ones a
+-- connection keeps safely (an index for each), where a join of the arrays with `receipts`,
+-- planned while the table was empty, could read all of it. `coalesce` on a NOT NULL column
+-- changes nothing but the plan: written `status = 'pending'`, a plan made on an empty table
+-- took the partial index `receipts_pending` and read every pending call's entry in it to
+-- find the one id; written this way no index serves it, and `receipts_by_id` finds the row.
+CREATE FUNCTION record_outcomes(
+    p_ids text[],
+    p_statuses text[],
+    p_http_statuses integer[],
+    p_errors text[],
+    p_forwarded_at double precision[],
+    p_replayable boolean[],
+    p_headers text[],
+    p_bodies bytea[],
+    p_sessions text[],
+    p_late boolean[],
+    p_settles boolean[]
+) RETURNS SETOF text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_resource text;
+    v_key text;
+    v_completed double precision;
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(p_ids, 1), 0) LOOP
+        UPDATE receipts SET status = p_statuses[i], http_status = p_http_statuses[i],
+            error = p_errors[i], late = p_late[i], forwarded_at = p_forwarded_at[i],
+            completed_at = extract(epoch from clock_timestamp())::float8,
+            replayable = p_replayable[i], response_headers = p_headers[i],
+            response_body = p_bodies[i], session = coalesce(p_sessions[i], session)
+            WHERE id = p_ids[i] AND coalesce(status, '') = 'pending'
+            RETURNING resource, idempotency_key, completed_at
+            INTO v_resource, v_key, v_completed;
+        CONTINUE WHEN NOT FOUND;
+        IF p_settles[i] THEN
+            UPDATE idempotency_keys k SET expires_at = v_completed + k.retention_s
+                WHERE k.resource = v_resource AND k.key = v_key AND k.receipt_id = p_ids[i];
+        END IF;
+        RETURN NEXT p_ids[i];
+    END LOOP;
 END
 $$;
