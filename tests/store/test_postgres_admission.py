@@ -518,6 +518,8 @@ async def heap_fetches(url: str, table: str) -> int:
             if others == 0:
                 break
             await asyncio.sleep(0.05)
+        else:  # their counts unpublished, the figure would be too low to mean anything
+            raise AssertionError("the store's sessions did not end")
         fetched: int = await conn.fetchval(
             "SELECT idx_tup_fetch FROM pg_stat_user_tables WHERE relname = $1", table
         )
