@@ -8,8 +8,10 @@ many go together as arrived during the last round trip. No timer holds an outcom
 caller is answered when the commit of its batch has returned, as it was by its own: no answer
 leaves before its outcome is durable (docs/contract.md §3).
 
-A batch the server refused (a statement error, not a lost connection) is asked again one
-outcome at a time, so that an outcome whose values fail fails alone, never its neighbours.
+A batch refused for what it was sent (a value the server or asyncpg would not take, not a
+lost connection) is asked again one outcome at a time, so that an outcome whose values fail
+fails alone, never its neighbours. An outcome whose caller has gone (cancelled) is recorded
+all the same: it is the call's, and the call happened.
 """
 
 from __future__ import annotations
