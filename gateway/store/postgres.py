@@ -77,7 +77,7 @@ from gateway.store.base import (
 from gateway.store.floor_rows import fence_row_of
 from gateway.store.ids import MonotonicUlid
 from gateway.store.pg_hosts import NoWritableHost
-from gateway.store.pg_outcomes import OutcomeBatches
+from gateway.store.pg_outcomes import OutcomeBatches, Row
 from gateway.store.pg_primary import START_TIMEOUT_S, PostgresStartupError, PrimaryLink
 from gateway.store.rows import (
     KEY_STATE_COLUMNS,
@@ -332,15 +332,14 @@ def _database_errors() -> tuple[type[BaseException], ...]:
 
 
 def _refused_by_server(exc: BaseException) -> bool:
-    """Whether a statement failed on what it was sent (asyncpg could not encode a value, or
-    the server refused it), rather than on the way there (`_LOST_CONNECTION`)."""
+    """Whether a statement failed on what it was sent, rather than on the way there
+    (`_LOST_CONNECTION`): the server refused it, or asyncpg could not encode an argument,
+    which it raises as the server's own `DataError` would be."""
     cause = exc.__cause__
-    return isinstance(cause, asyncpg.DataError) or (
-        isinstance(cause, asyncpg.PostgresError) and not isinstance(cause, _LOST_CONNECTION)
-    )
+    return isinstance(cause, asyncpg.PostgresError) and not isinstance(cause, _LOST_CONNECTION)
 
 
-async def _record_pending(conn: Any, rows: Sequence[tuple[Any, ...]]) -> set[str]:
+async def _record_pending(conn: Any, rows: Sequence[Row]) -> set[str]:
     """`_RECORD_PENDING` for these outcomes: the ids of the receipts that took theirs."""
     return {row["id"] for row in await conn.fetch(_RECORD_PENDING, *zip(*rows, strict=True))}
 

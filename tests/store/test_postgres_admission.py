@@ -307,6 +307,29 @@ def trips(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return sent
 
 
+# Sessions of the test's database waiting for a lock; the others than the one asking.
+LOCK_WAITS = (
+    "SELECT count(*) FROM pg_stat_activity "
+    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+)
+OTHER_SESSIONS = (
+    "SELECT count(*) FROM pg_stat_activity "
+    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+async def until(
+    conn: Any, count: str, wanted: Callable[[int], bool], failure: str, seconds: float = 5.0
+) -> None:
+    """Ask `count` on `conn` until its answer is `wanted`; fail with `failure` after
+    `seconds`."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not wanted(await conn.fetchval(count)):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(failure)
+        await asyncio.sleep(0.01)
+
+
 async def opened(tmp_path: Path) -> PostgresStore:
     store = make_store("postgres", tmp_path)
     assert isinstance(store, PostgresStore)
@@ -392,15 +415,9 @@ class TestUnderTheLock:
                 asyncio.create_task(store.admit(call(2, key="taken"))),
                 asyncio.create_task(store.admit(call(2, key="beside"))),
             ]
-            for _ in range(500):
-                blocked = await watcher.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND datname = current_database()"
-                )
-                if blocked == 2:
-                    break
-                await asyncio.sleep(0.01)
-            assert blocked == 2, "the admissions never waited on the lock"
+            await until(
+                watcher, LOCK_WAITS, lambda n: n == 2, "the admissions never waited on the lock"
+            )
             now = await holder.fetchval(_NOW)
             await holder.execute(
                 _RECEIPT, "r01", RESOURCE, 1, "taken", FINGERPRINT, 1, "pending", None, now,
@@ -443,15 +460,7 @@ class TestUnderTheLock:
             await other.execute("BEGIN")
             await other.execute("INSERT INTO fences (resource, accepted) VALUES ('new/1', 9)")
             admitting = asyncio.create_task(store.admit(call(1, resource="new/1")))
-            for _ in range(500):
-                if await watcher.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND datname = current_database()"
-                ):
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail("the admission never waited for the other's row")
+            await until(watcher, LOCK_WAITS, bool, "the admission never waited for the other's row")
             await other.execute("COMMIT")
             refused = await asyncio.wait_for(admitting, 10)
             assert isinstance(refused, Refused) and refused.code == "stale_fence"
@@ -510,16 +519,8 @@ async def rows_read(url: str, table: str) -> int:
     so far: counted once they have all ended (a session's counts are published when it ends)."""
     conn = await asyncpg.connect(url)
     try:
-        for _ in range(100):
-            others = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            if others == 0:
-                break
-            await asyncio.sleep(0.05)
-        else:  # their counts unpublished, the figure would be too low to mean anything
-            raise AssertionError("the store's sessions did not end")
+        # until then their counts are unpublished, and the figure too low to mean anything
+        await until(conn, OTHER_SESSIONS, lambda n: n == 0, "the store's sessions did not end")
         read: int = await conn.fetchval(
             "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_user_tables WHERE relname = $1",
             table,
@@ -597,13 +598,7 @@ async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(tmp_pat
         await tx.start()
         await locker.execute("SELECT 1 FROM fences WHERE resource = $1 FOR UPDATE", RESOURCE)
         admitting = asyncio.create_task(store.admit(call(2, key="second")))
-        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        for _ in range(200):
-            if await direct.fetchval(waiting):
-                break
-            await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("the admission never waited for the lock")
+        await until(direct, LOCK_WAITS, bool, "the admission never waited for the lock")
         proxy.cut()
         with pytest.raises(StoreUnavailable):
             await admitting

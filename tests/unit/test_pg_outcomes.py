@@ -129,6 +129,7 @@ async def test_a_caller_that_left_leaves_the_others_answered() -> None:
     assert await first is True and await staying is True
     with pytest.raises(asyncio.CancelledError):
         await gone
+    assert server.statements == [["r1"], ["r2", "r3"]]  # its outcome recorded all the same
 
 
 async def test_a_batch_takes_at_most_max_batch_outcomes() -> None:
