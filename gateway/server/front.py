@@ -25,6 +25,7 @@ from gateway.server import overload
 from gateway.server.auth import authenticate
 from gateway.server.middleware import problems
 from gateway.server.overload import LIMIT, InflightLimit, ShedAnswer
+from gateway.wire.backlog import Backlog
 from gateway.wire.incoming import Incoming, Reply, whole
 
 
@@ -45,6 +46,7 @@ class FrontDispatch:
         self._policies: PolicySet = app[appkeys.POLICIES]
         self._limit: InflightLimit = app[LIMIT]
         self._loop = asyncio.get_running_loop()
+        self.backlog = Backlog(self._limit.full)
 
     @property
     def retry_after_s(self) -> float:
@@ -56,13 +58,13 @@ class FrontDispatch:
         found = self._policies.route(incoming.raw_path.partition("?")[0])
         return found is not None and not found[0].mcp
 
-    def overloaded(self, incoming: Incoming) -> bool:
-        return self._limit.overloaded(incoming.path)
+    def overloaded(self, incoming: Incoming, *, waited: bool = False) -> bool:
+        return self._limit.overloaded(incoming.path, waited=waited)
 
-    def admit(self, incoming: Incoming) -> bytes | None:
+    def admit(self, incoming: Incoming, *, waited: bool = False) -> bytes | None:
         now = self._loop.time()
         verdict = self._limit.admit(
-            incoming.method, incoming.raw_path, incoming.path, incoming.headers, now
+            incoming.method, incoming.raw_path, incoming.path, incoming.headers, now, waited
         )
         if isinstance(verdict, ShedAnswer):
             return verdict.wire(close=incoming.must_close, to_head=incoming.method == "HEAD")

@@ -383,6 +383,7 @@ class GatewayServer(web.Server):
             self._register,
             header_timeout_s=self.handler_class.header_timeout_s,
             keepalive_timeout_s=self.keepalive_timeout_s,
+            backlog=self.front.backlog,
         )
 
     def _register(self, front: Front, transport: asyncio.Transport | None) -> None:

@@ -18,7 +18,10 @@ The decision is made on the parsed head alone, by the HTTP server (gateway.serve
 http_server) before aiohttp builds a request for it, and the connection of a shed call is not
 read again before its Retry-After second is over: a shed call costs as little as the gateway
 can answer for, and a crowd that resends at once when shed (a retry loop without backoff,
-wrk) cannot take the event loop from the calls it admitted. The answer is prepared here, once,
+wrk) cannot take the event loop from the calls it admitted. Nor can a crowd that arrives at
+once: while the process is full, heads wait in the server's backlog (gateway.wire.backlog)
+and are answered a few per turn of the loop, each shed as it would have been when it came
+(`waited`), even if a place has come free since. The answer is prepared here, once,
 but for its request id (the client's, or a new one); it is counted in
 `fence_gateway_rejections_total{code="overloaded"}` and the log says how many were shed at
 most once every `_LOG_EVERY_S`. An MCP client's POST is told in JSON-RPC, as every refusal of
@@ -123,24 +126,36 @@ class InflightLimit:
         return self._adaptive is not None
 
     def admit(
-        self, method: str, target: str, path: str, fields: CIMultiDictProxy[str], now: float
+        self,
+        method: str,
+        target: str,
+        path: str,
+        fields: CIMultiDictProxy[str],
+        now: float,
+        waited: bool = False,
     ) -> ShedAnswer | bool:
         """The decision on a call whose head was just parsed (`target` as received, `path`
         its path percent-decoded, `fields` its headers): its answer when it is shed; True when
         it is counted, and `done` must follow once it is answered; False when it passes
-        uncounted (the module's docstring)."""
+        uncounted (the module's docstring). `waited`: the head came while the process was
+        full and waited for its turn (gateway.wire.backlog): it is shed, as it was then."""
         if path.startswith("/_gateway/"):
             return False
-        if self.in_flight >= self.limit:
+        if waited or self.in_flight >= self.limit:
             return self._shed(method, target, fields, now)
         if "Upgrade" in fields:
             return False  # a session: not counted
         self.in_flight += 1
         return True
 
-    def overloaded(self, path: str) -> bool:
-        """Whether a call to `path` would be shed now; nothing is decided or counted."""
-        return self.in_flight >= self.limit and not path.startswith("/_gateway/")
+    def full(self) -> bool:
+        """Whether a call now would be shed, its path aside."""
+        return self.in_flight >= self.limit
+
+    def overloaded(self, path: str, *, waited: bool = False) -> bool:
+        """Whether a call to `path` would be shed now (or, `waited`, was when its head came);
+        nothing is decided or counted."""
+        return (waited or self.in_flight >= self.limit) and not path.startswith("/_gateway/")
 
     def done(self, rtt_s: float, now: float) -> None:
         """A counted call was answered `rtt_s` after its head arrived, less the tool's time."""

@@ -27,8 +27,9 @@ byte, or of opening), the idle keep-alive timeout, a body that must arrive withi
 timeout (the call path's `read_body` waits for it), flow control both ways (reading pauses
 while a call is in progress and more than `_HIGH_WATER` bytes are waiting; an answer's writes
 wait while the client does not read), `Connection: close`, the overload limit's answers from
-the head, and the drain at shutdown (a request in progress is let finish within the grace
-period).
+the head (a whole head that comes while the process is full waits for its turn in the
+backlog, gateway.wire.backlog, and is then served as it would have been when it came), and
+the drain at shutdown (a request in progress is let finish within the grace period).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.core.grammar import HTTP_TOKEN
+from gateway.wire.backlog import Backlog
 from gateway.wire.incoming import Incoming
 
 # Heads at or near any of aiohttp's limits (8,190 bytes a line, 128 headers) go to aiohttp,
@@ -85,11 +87,13 @@ class Dispatch(Protocol):
     def retry_after_s(self) -> float:
         """How long the connection of a shed call is left unread."""
 
-    def overloaded(self, incoming: Incoming) -> bool:
+    def overloaded(self, incoming: Incoming, *, waited: bool = False) -> bool:
         """Whether the call would be shed (GATEWAY_MAX_INFLIGHT), deciding nothing: a call
-        the front would hand over is shed here all the same, when it can be answered now."""
+        the front would hand over is shed here all the same, when it can be answered now.
+        `waited`: its head waited in the backlog, having come while the process was full,
+        and is shed as it would have been then."""
 
-    def admit(self, incoming: Incoming) -> bytes | None:
+    def admit(self, incoming: Incoming, *, waited: bool = False) -> bytes | None:
         """The whole answer to write at once when the call is shed; None when it is taken
         (and counted until its answer is written)."""
 
@@ -117,8 +121,10 @@ class Front(asyncio.Protocol):
         *,
         header_timeout_s: float,
         keepalive_timeout_s: float,
+        backlog: Backlog | None = None,
     ) -> None:
         self._dispatch = dispatch
+        self._backlog = backlog  # None: every head is served where it is read
         self._register = register  # (self, transport) on; (self, None) off the server's list
         self._header_timeout_s = header_timeout_s
         self._keepalive_timeout_s = keepalive_timeout_s
@@ -135,6 +141,7 @@ class Front(asyncio.Protocol):
         self._reading_paused = False
         self._closing = False  # close once the call in progress is answered
         self._shed_pause: asyncio.TimerHandle | None = None
+        self._queued = False  # its whole head waits in the backlog
         self.writing_paused = False
         self._drained: asyncio.Future[None] | None = None
         self.remote: str | None = None
@@ -221,8 +228,9 @@ class Front(asyncio.Protocol):
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _next(self) -> None:
-        """Take the next request in the buffer, if its head is all in."""
+    def _next(self, *, its_turn: bool = False) -> None:
+        """Take the next request in the buffer, if its head is all in: now, or in its turn
+        when the process is full (`its_turn`: the backlog gave it)."""
         buffer = self._buffer
         if not buffer:
             if self._timer is None:
@@ -236,6 +244,14 @@ class Front(asyncio.Protocol):
                 self._set_timer(self._header_timeout_s)  # the first bytes of a head
             return
         self._cancel_timer()
+        backlog = self._backlog
+        if backlog is not None and not its_turn and (self._queued or backlog.holds()):
+            if not self._queued:
+                self._queued = True
+                backlog.add(self._its_turn)
+            if len(buffer) > _HIGH_WATER:
+                self._pause_reading()  # what a waiting connection sends is kept, up to here
+            return
         head_end = end + 4
         parsed = self._parse(bytes(buffer[:head_end])) if head_end <= _MAX_HEAD else None
         if parsed is None:
@@ -248,13 +264,13 @@ class Front(asyncio.Protocol):
         incoming = Incoming(self, method, target, headers, length, must_close=close)
         incoming.app = self._dispatch.app
         dispatch = self._dispatch
-        if dispatch.overloaded(incoming):
+        if dispatch.overloaded(incoming, waited=its_turn):
             if (length is not None and len(buffer) - head_end < length) or self.writing_paused:
                 # not to be answered before aiohttp would: its body still coming (which
                 # aiohttp reads and drops), or the client not reading what it was sent
                 self._hand_over()
                 return
-            shed = dispatch.admit(incoming)
+            shed = dispatch.admit(incoming, waited=its_turn)
             assert shed is not None  # overloaded: admit sheds it
             self._take(incoming, head_end, length)
             self._answer_shed(shed, incoming)
@@ -265,6 +281,16 @@ class Front(asyncio.Protocol):
             self._calling.add_done_callback(self._answered)
         else:
             self._lend(head_end, length)
+
+    def _its_turn(self) -> None:
+        """The backlog's turn for this connection's head (gateway.wire.backlog)."""
+        self._queued = False
+        if self._transport is None or self._calling is not None or self._lent is not None:
+            return
+        if self._closing:
+            self._close()  # shutting down: a head that waited is not begun
+            return
+        self._next(its_turn=True)
 
     def _take(self, incoming: Incoming, head_end: int, length: int | None) -> None:
         """The request is the front's: its head read off the buffer, its body fed to it

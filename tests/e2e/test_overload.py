@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web, web_protocol
 from aiohttp.http_parser import HttpRequestParserPy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.server import overload
 from tests.e2e.served import Served, fenced_post, read_answer, served
@@ -394,6 +395,29 @@ async def test_upgrades_are_shed_and_the_gateway_paths_are_not(
         gate.set()
         assert (await held).status == 200
         assert gateway.app[overload.LIMIT].in_flight == 0
+
+
+async def test_a_head_that_waited_for_its_turn_is_shed_though_a_place_came_free(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """A head that came while the process was full waits in the backlog (gateway.wire.backlog)
+    and, in its turn, is shed as it would have been when it came, even when a call has ended
+    since: it is not let in ahead of the heads that come after it. A `/_gateway/` path is
+    never shed."""
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}]), "1") as gateway:
+        limit = gateway.app[overload.LIMIT]
+        fields = CIMultiDictProxy(CIMultiDict({"Host": "gateway"}))
+        assert limit.in_flight == 0 and not limit.full()
+        waited = limit.admit("POST", "/tool/act", "/tool/act", fields, 0.0, waited=True)
+        assert isinstance(waited, overload.ShedAnswer)
+        assert limit.overloaded("/tool/act", waited=True)
+        gateway_path = "/_gateway/healthz"
+        assert limit.admit("GET", gateway_path, gateway_path, fields, 0.0, waited=True) is False
+        assert not limit.overloaded(gateway_path, waited=True)
+        assert limit.in_flight == 0
+        assert limit.admit("POST", "/tool/act", "/tool/act", fields, 0.0) is True  # not waited
+        assert limit.full()
+        limit.abandoned()
 
 
 async def test_an_mcp_post_is_shed_in_json_rpc_from_its_head(

@@ -24,6 +24,7 @@ import pytest
 from aiohttp.http import SERVER_SOFTWARE
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.wire.backlog import Backlog
 from gateway.wire.front import Front
 from gateway.wire.incoming import Incoming
 
@@ -118,6 +119,7 @@ class FakeDispatch:
         self.tasks: list[asyncio.Task[None]] = []
         self.recorders: list[Recorder] = []
         self.shed = 0  # how many of the next requests are overloaded, and shed by admit
+        self.admitted: list[tuple[str, bool]] = []  # (path, waited) of every admit
         self.gate = asyncio.Event()  # what `/wait` waits for before answering
         self.hold_lent: asyncio.Event | None = None  # what a lent request's answer waits for
         self._loop = asyncio.get_running_loop()
@@ -125,10 +127,11 @@ class FakeDispatch:
     def serves(self, incoming: Incoming) -> bool:
         return not incoming.raw_path.startswith("/aiohttp")
 
-    def overloaded(self, incoming: Incoming) -> bool:
+    def overloaded(self, incoming: Incoming, *, waited: bool = False) -> bool:
         return self.shed > 0  # as the server's limit: overloaded when admit would shed
 
-    def admit(self, incoming: Incoming) -> bytes | None:
+    def admit(self, incoming: Incoming, *, waited: bool = False) -> bytes | None:
+        self.admitted.append((incoming.raw_path, waited))
         if self.shed:
             self.shed -= 1
             return SHED
@@ -259,19 +262,30 @@ class Lent(NamedTuple):
 
 class Start(Protocol):
     async def __call__(
-        self, *, header_timeout_s: float = ..., keepalive_timeout_s: float = ...
+        self,
+        *,
+        header_timeout_s: float = ...,
+        keepalive_timeout_s: float = ...,
+        full: Callable[[], bool] | None = ...,
     ) -> Served: ...
 
 
 @pytest.fixture
 async def start() -> AsyncIterator[Start]:
-    """`served = await start(header_timeout_s=..., keepalive_timeout_s=...)`, closed at
-    teardown with every connection and call."""
+    """`served = await start(header_timeout_s=..., keepalive_timeout_s=..., full=...)`,
+    closed at teardown with every connection and call; with `full`, the fronts share a
+    backlog that holds heads while `full()` says so."""
     started: list[Served] = []
 
-    async def begin(*, header_timeout_s: float = 30.0, keepalive_timeout_s: float = 30.0) -> Served:
+    async def begin(
+        *,
+        header_timeout_s: float = 30.0,
+        keepalive_timeout_s: float = 30.0,
+        full: Callable[[], bool] | None = None,
+    ) -> Served:
         dispatch = FakeDispatch()
         holder: list[Served] = []
+        backlog = Backlog(full) if full is not None else None
 
         def factory() -> Front:
             return Front(
@@ -279,6 +293,7 @@ async def start() -> AsyncIterator[Start]:
                 holder[0].register,
                 header_timeout_s=header_timeout_s,
                 keepalive_timeout_s=keepalive_timeout_s,
+                backlog=backlog,
             )
 
         server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
@@ -893,6 +908,89 @@ class TestShed:
             assert await reader.readexactly(len(SHED)) == SHED
         assert await at_eof(reader) == b""
         assert now() - began >= 0.2
+
+
+class TestBacklog:
+    """While the process is full, a whole head waits for its turn in the backlog, then is
+    served as it would have been when it came (gateway.wire.backlog)."""
+
+    async def test_a_head_that_comes_while_full_is_shed_in_its_turn(self, start: Start) -> None:
+        served = await start(full=lambda: True)
+        served.dispatch.shed = 1
+        reader, writer = await served.connect()
+        writer.write(b"GET /crowd HTTP/1.1\r\nHost: t\r\n\r\n")
+        async with asyncio.timeout(WAIT):
+            assert await reader.readexactly(len(SHED)) == SHED
+        assert served.dispatch.admitted == [("/crowd", True)]  # shed as it was when it came
+
+    async def test_heads_that_wait_are_taken_in_the_order_they_came(self, start: Start) -> None:
+        served = await start(full=lambda: True)
+        served.dispatch.shed = 5
+        readers = []
+        for n in range(5):
+            reader, writer = await served.connect()
+            writer.write(b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n" % n)
+            await eventually(lambda n=n: len(served.on) > n)
+            readers.append(reader)
+            await asyncio.sleep(0.05)  # read by the front before the next one comes
+        for reader in readers:
+            async with asyncio.timeout(WAIT):
+                assert await reader.readexactly(len(SHED)) == SHED
+        assert served.dispatch.admitted == [(f"/{n}", True) for n in range(5)]
+
+    async def test_while_not_full_a_head_is_served_where_it_is_read(self, start: Start) -> None:
+        served = await start(full=lambda: False)
+        reader, writer = await served.connect()
+        writer.write(GET)
+        assert (await read_answer(reader)).body == b"GET /x 0"
+        assert served.dispatch.admitted == [("/x", False)]
+
+    async def test_a_connection_gone_before_its_turn_is_passed_over(self) -> None:
+        dispatch = FakeDispatch()
+        dispatch.shed = 1
+        backlog = Backlog(lambda: True)
+        front = Front(
+            dispatch,
+            lambda front, transport: None,
+            header_timeout_s=30.0,
+            keepalive_timeout_s=30.0,
+            backlog=backlog,
+        )
+        transport = QuietTransport()
+        front.connection_made(transport)
+        front.data_received(GET)
+        assert len(backlog) == 1 and transport.written == b""  # waits for its turn
+        front.connection_lost(None)
+        await asyncio.sleep(0)  # its turn
+        assert len(backlog) == 0
+        assert dispatch.admitted == [] and transport.written == b""
+
+
+class QuietTransport(asyncio.Transport):
+    """A transport that keeps what is written to it and reports nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 class TestFlowControl:
