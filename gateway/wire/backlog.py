@@ -20,7 +20,9 @@ import collections
 from collections.abc import Callable
 
 # Heads served per turn of the loop from the queue: each costs about what a shed call costs
-# (a parse and a prepared answer), so a turn grows by a millisecond or two at most.
+# (a parse and a prepared answer), so a turn grows by a millisecond or two at most. Fewer
+# leave the admitted calls' latency as it is and delay the crowd's refusals; more lengthen
+# the turns the admitted calls wait for (measured: docs/design/performance.md, "Overload").
 PER_TURN = 32
 
 
