@@ -141,7 +141,7 @@ class InflightLimit:
         full and waited for its turn (gateway.wire.backlog): it is shed, as it was then."""
         if path.startswith("/_gateway/"):
             return False
-        if waited or self.in_flight >= self.limit:
+        if waited or self.full():
             return self._shed(method, target, fields, now)
         if "Upgrade" in fields:
             return False  # a session: not counted
@@ -155,7 +155,7 @@ class InflightLimit:
     def overloaded(self, path: str, *, waited: bool = False) -> bool:
         """Whether a call to `path` would be shed now (or, `waited`, was when its head came);
         nothing is decided or counted."""
-        return (waited or self.in_flight >= self.limit) and not path.startswith("/_gateway/")
+        return (waited or self.full()) and not path.startswith("/_gateway/")
 
     def done(self, rtt_s: float, now: float) -> None:
         """A counted call was answered `rtt_s` after its head arrived, less the tool's time."""

@@ -285,7 +285,7 @@ class Front(asyncio.Protocol):
     def _its_turn(self) -> None:
         """The backlog's turn for this connection's head (gateway.wire.backlog)."""
         self._queued = False
-        if self._transport is None or self._calling is not None or self._lent is not None:
+        if self._transport is None:  # gone, or handed to aiohttp, while it waited
             return
         if self._closing:
             self._close()  # shutting down: a head that waited is not begun

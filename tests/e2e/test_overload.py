@@ -397,7 +397,7 @@ async def test_upgrades_are_shed_and_the_gateway_paths_are_not(
         assert gateway.app[overload.LIMIT].in_flight == 0
 
 
-async def test_a_head_that_waited_for_its_turn_is_shed_though_a_place_came_free(
+async def test_the_limit_sheds_a_head_that_waited_though_a_place_is_free(
     tmp_path: Path, upstream: RecordingUpstream
 ) -> None:
     """A head that came while the process was full waits in the backlog (gateway.wire.backlog)
