@@ -25,6 +25,12 @@ def lapsed(last_heartbeat_sent: float | None, now: float, interval_s: float) -> 
     return now - last_heartbeat_sent >= LAPSE_INTERVALS * interval_s
 
 
+def silent(heartbeat_at: float | None, now: float, silent_after_s: float) -> bool:
+    """Whether peers may give an instance up at `now` (the database's clock): its heartbeat
+    (`heartbeat_at`, None when it has no row) is older than `silent_after_s`."""
+    return heartbeat_at is None or heartbeat_at < now - silent_after_s
+
+
 def next_instance_id(first: str, generation: int) -> str:
     """The id an instance goes on under after its `generation`-th lapse: never one used
     before, and always starting with the first id (`GATEWAY_INSTANCE_ID` is a prefix)."""

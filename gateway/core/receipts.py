@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from gateway.core import liveness
+
 ReceiptStatus = Literal[
     "pending", "succeeded", "failed", "not_sent", "outcome_unknown", "rejected", "reconciled"
 ]
@@ -65,5 +67,4 @@ def is_lost(
     while its instance's heartbeat is alive (§15: a session may stay open for hours)."""
     if in_flight_here:
         return False
-    silent = heartbeat_at is None or heartbeat_at < now - silent_after_s
-    return silent or (not session and ready_at < now)
+    return liveness.silent(heartbeat_at, now, silent_after_s) or (not session and ready_at < now)

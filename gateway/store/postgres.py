@@ -297,6 +297,16 @@ _HEARTBEAT = (
     f"AND heartbeat_at > {_NOW} - $2 RETURNING id, "
     f"(pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint AS lsn, {pg_sync.SETTINGS}"
 )
+# A silent instance is ended before a peer recovers its receipts: its heartbeat is set back a
+# whole lease, so that no renewal can pass after this commits, whatever time the database's
+# clock gave it. Taking the row's lock also orders the two: a renewal the database accepted
+# but had not yet committed when the sweeper judged the instance silent is waited for, and
+# the instance it renewed (it may forward its calls again) is not ended: not returned here,
+# its receipts stay `pending`.
+_END_SILENT = (
+    "UPDATE instances SET heartbeat_at = heartbeat_at - $2 WHERE id = ANY($1) "
+    f"AND heartbeat_at < {_NOW} - $2 RETURNING id"
+)
 # An instance id is taken once, never reused: ON CONFLICT, the caller tries the next one.
 _CLAIM_INSTANCE = (
     f"INSERT INTO instances (id, started_at, heartbeat_at) VALUES ($1, {_NOW}, {_NOW}) "
@@ -1467,25 +1477,37 @@ class PostgresStore:
     ) -> dict[str, int]:
         """Turn lost `pending` receipts `outcome_unknown` (`gateway.core.receipts.is_lost`),
         judged by the database's clock; the update takes only those still `pending`, so with
-        several sweepers each receipt is counted once."""
+        several sweepers each receipt is counted once. The receipts of an instance lost for
+        its silence are taken only once that instance is ended (`_END_SILENT`)."""
 
         async def op(conn: Any) -> dict[str, int]:
             rows = await conn.fetch(
                 f"WITH t AS (SELECT {_NOW} AS now) SELECT r.id, r.upstream, r.created_at, "
-                "r.forwarded_at, r.kind, i.heartbeat_at, t.now FROM receipts r CROSS JOIN t "
-                "LEFT JOIN instances i ON i.id = r.instance WHERE r.status = 'pending'"
+                "r.forwarded_at, r.kind, r.instance, i.heartbeat_at, t.now FROM receipts r "
+                "CROSS JOIN t LEFT JOIN instances i ON i.id = r.instance "
+                "WHERE r.status = 'pending'"
             )
             if not rows:
                 return {}
             now = rows[0]["now"]  # one time for the whole judgement, as on SQLite
-            lost = [row["id"] for row in lost_receipts(rows, waits, silent_after_s, in_flight, now)]
+            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now)
             if not lost:
                 return {}
             self._commit_hook()
+            silent = {
+                row["instance"]
+                for row in lost
+                if row["heartbeat_at"] is not None
+                and liveness.silent(row["heartbeat_at"], now, silent_after_s)
+            }
+            if silent:
+                ended = await conn.fetch(_END_SILENT, sorted(silent), silent_after_s)
+                renewed = silent - {row["id"] for row in ended}
+                lost = [row for row in lost if row["instance"] not in renewed]
             turned = await conn.fetch(
                 "UPDATE receipts SET status = 'outcome_unknown', error = 'outcome_not_recorded' "
                 "WHERE id = ANY($1) AND status = 'pending' RETURNING upstream",
-                lost,
+                [row["id"] for row in lost],
             )
             return count_by_upstream(turned)
 

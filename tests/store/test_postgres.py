@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.core.errors import StoreUnavailable
+from gateway.core.receipts import ReconcileWaits
 from gateway.store import create_store
 from gateway.store.base import Admitted, Refused
 from tests.store.conftest import make_store, pg_database
@@ -21,6 +22,9 @@ from gateway.store.postgres import (  # noqa: E402
     PostgresStartupError,
     PostgresStore,
 )
+
+# The database's time, as the store reads it.
+NOW = "extract(epoch from clock_timestamp())::float8"
 
 
 async def sql(tmp_path: Path, statement: str, *args: object) -> list:
@@ -310,6 +314,75 @@ class TestInstances:
             assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
         finally:
             await store.close()
+
+    async def test_a_renewal_committing_as_a_peer_sweeps_keeps_the_instance_s_calls(
+        self, tmp_path: Path
+    ) -> None:
+        """A heartbeat the database accepted, still committing when a peer's sweeper looked:
+        the sweeper saw the instance silent, but the instance is renewed and forwards its
+        calls again. Recovering them then would let a newer call overtake one still to leave
+        (docs/contract.md §14, "A replica fences itself"): the sweeper waits for the renewal
+        and leaves them pending."""
+        a, b = (
+            create_store(
+                pg_database(tmp_path), instance=name, durability="strict", heartbeat_interval_s=0.5
+            )
+            for name in ("a", "b")
+        )
+        await a.open()
+        await b.open()
+        renewal = await asyncpg.connect(pg_database(tmp_path))
+        try:
+            admitted = await a.admit(call(1))
+            assert isinstance(admitted, Admitted)
+            silent_after_s = 1.5
+            await asyncio.sleep(1.0)
+            # a's heartbeat, as the database runs it, accepted and not yet committed …
+            tx = renewal.transaction()
+            await tx.start()
+            renewed = await renewal.fetchval(
+                f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = 'a' "
+                f"AND heartbeat_at > {NOW} - $1 RETURNING id",
+                silent_after_s,
+            )
+            assert renewed == "a"
+            await asyncio.sleep(0.7)  # … while, by the last committed heartbeat, a is silent
+            sweep = asyncio.create_task(
+                b.expire_pending(ReconcileWaits({}, default=3600), silent_after_s, frozenset())
+            )
+            await asyncio.sleep(0.2)
+            assert not sweep.done()  # it waits for the renewal to commit or not
+            await tx.commit()
+            assert await sweep == {}
+            assert (await b.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await renewal.close()
+            await close([a, b])
+
+    async def test_a_sweep_that_recovers_an_instance_s_calls_ends_its_heartbeat(
+        self, tmp_path: Path
+    ) -> None:
+        # The other order: once a peer has recovered the calls, no renewal of the id can pass,
+        # whatever time the database's clock gave it, and the instance goes on under a new id.
+        a, b = (
+            create_store(
+                pg_database(tmp_path), instance=name, durability="strict", heartbeat_interval_s=0.2
+            )
+            for name in ("a", "b")
+        )
+        await a.open()
+        await b.open()
+        try:
+            admitted = await a.admit(call(1))
+            await asyncio.sleep(0.7)
+            assert await b.expire_pending(ReconcileWaits({}, default=3600), 0.6, frozenset()) == {
+                "tool": 1
+            }
+            assert (await b.get_receipt(admitted.receipt_id)).status == "outcome_unknown"
+            await a.heartbeat()
+            assert a.instance == "a.1"
+        finally:
+            await close([a, b])
 
 
 class TestAConnectionLostUnderAnOutcome:
