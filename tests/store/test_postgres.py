@@ -41,6 +41,23 @@ async def replicas(tmp_path: Path, n: int = 2) -> list[PostgresStore]:
     return stores
 
 
+async def heartbeating(tmp_path: Path, interval_s: float, *names: str) -> list[PostgresStore]:
+    """Open stores whose leases are `interval_s` sweep intervals (silent after three); their
+    heartbeats are the test's to send."""
+    stores = [
+        create_store(
+            pg_database(tmp_path),
+            instance=name,
+            durability="strict",
+            heartbeat_interval_s=interval_s,
+        )
+        for name in names
+    ]
+    for store in stores:
+        await store.open()
+    return stores
+
+
 async def close(stores: list[PostgresStore]) -> None:
     await asyncio.gather(*(store.close() for store in stores))
 
@@ -323,14 +340,7 @@ class TestInstances:
         calls again. Recovering them then would let a newer call overtake one still to leave
         (docs/contract.md §14, "A replica fences itself"): the sweeper waits for the renewal
         and leaves them pending."""
-        a, b = (
-            create_store(
-                pg_database(tmp_path), instance=name, durability="strict", heartbeat_interval_s=0.5
-            )
-            for name in ("a", "b")
-        )
-        await a.open()
-        await b.open()
+        a, b = await heartbeating(tmp_path, 0.5, "a", "b")
         renewal = await asyncpg.connect(pg_database(tmp_path))
         try:
             admitted = await a.admit(call(1))
@@ -364,14 +374,7 @@ class TestInstances:
     ) -> None:
         # The other order: once a peer has recovered the calls, no renewal of the id can pass,
         # whatever time the database's clock gave it, and the instance goes on under a new id.
-        a, b = (
-            create_store(
-                pg_database(tmp_path), instance=name, durability="strict", heartbeat_interval_s=0.2
-            )
-            for name in ("a", "b")
-        )
-        await a.open()
-        await b.open()
+        a, b = await heartbeating(tmp_path, 0.2, "a", "b")
         try:
             admitted = await a.admit(call(1))
             await asyncio.sleep(0.7)
