@@ -139,12 +139,10 @@ class InflightLimit:
         it is counted, and `done` must follow once it is answered; False when it passes
         uncounted (the module's docstring). `waited`: the head came while the process was
         full and waited for its turn (gateway.wire.backlog): it is shed, as it was then."""
-        if path.startswith("/_gateway/"):
-            return False
-        if waited or self.full():
+        if self.overloaded(path, waited=waited):
             return self._shed(method, target, fields, now)
-        if "Upgrade" in fields:
-            return False  # a session: not counted
+        if path.startswith("/_gateway/") or "Upgrade" in fields:
+            return False  # never counted; an upgrade opens a session, not counted either
         self.in_flight += 1
         return True
 

@@ -8,9 +8,9 @@ call already admitted waits for that whole turn before each of its steps (its ad
 answer, its send, the tool's answer, its outcome, its reply: as many turns as steps). So
 while the process is full (`full`), or heads wait already, a connection whose head is whole
 is not served where it was read: it joins this queue, and each turn of the loop takes at most
-`PER_TURN` connections from it, in arrival order, each served as it would have been at once
-(shed, admitted when a place has come free, or lent to aiohttp). What a crowd adds to a turn
-is then its reads, and one slice of its answers.
+`PER_TURN` connections from it, in arrival order, each served as it would have been when it
+came (`waited`: shed, even when a place has come free since, unless its path is one the limit
+never counts). What a crowd adds to a turn is then its reads, and one slice of its answers.
 """
 
 from __future__ import annotations

@@ -18,13 +18,11 @@ from tests.store.test_contract import call, ok
 asyncpg = pytest.importorskip("asyncpg")
 
 from gateway.store.postgres import (  # noqa: E402
+    _HEARTBEAT,
     SCHEMA_VERSION,
     PostgresStartupError,
     PostgresStore,
 )
-
-# The database's time, as the store reads it.
-NOW = "extract(epoch from clock_timestamp())::float8"
 
 
 async def sql(tmp_path: Path, statement: str, *args: object) -> list:
@@ -350,12 +348,8 @@ class TestInstances:
             # a's heartbeat, as the database runs it, accepted and not yet committed …
             tx = renewal.transaction()
             await tx.start()
-            renewed = await renewal.fetchval(
-                f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = 'a' "
-                f"AND heartbeat_at > {NOW} - $1 RETURNING id",
-                silent_after_s,
-            )
-            assert renewed == "a"
+            renewed = await renewal.fetchrow(_HEARTBEAT, "a", silent_after_s)
+            assert renewed is not None and renewed["id"] == "a"
             await asyncio.sleep(0.7)  # … while, by the last committed heartbeat, a is silent
             sweep = asyncio.create_task(
                 b.expire_pending(ReconcileWaits({}, default=3600), silent_after_s, frozenset())
@@ -378,9 +372,13 @@ class TestInstances:
         try:
             admitted = await a.admit(call(1))
             await asyncio.sleep(0.7)
+            [[before]] = await sql(tmp_path, "SELECT heartbeat_at FROM instances WHERE id = 'a'")
             assert await b.expire_pending(ReconcileWaits({}, default=3600), 0.6, frozenset()) == {
                 "tool": 1
             }
+            # ended: set back a whole lease, beyond any renewal whatever clock it read
+            [[after]] = await sql(tmp_path, "SELECT heartbeat_at FROM instances WHERE id = 'a'")
+            assert after - before == pytest.approx(-0.6)
             assert (await b.get_receipt(admitted.receipt_id)).status == "outcome_unknown"
             await a.heartbeat()
             assert a.instance == "a.1"
