@@ -285,16 +285,32 @@ class GroupCommitter:
 
     @staticmethod
     def _isolated(conn: sqlite3.Connection, batch: list[_Pending]) -> None:
+        """Run the operations each in its own SAVEPOINT, so that a failing one is rolled back
+        alone. Some failures SQLite answers by rolling the whole transaction back (a full
+        disk, a constraint `OR ROLLBACK`), savepoints and all: the transaction is begun again
+        and the others run again, without the one that failed."""
+        remaining = batch
+        while remaining:
+            remaining = GroupCommitter._isolated_pass(conn, remaining)
+
+    @staticmethod
+    def _isolated_pass(conn: sqlite3.Connection, batch: list[_Pending]) -> list[_Pending]:
+        """One pass of `_isolated`; what is to run again in a new transaction (nothing,
+        unless a failure ended this one)."""
         for pending in batch:
             conn.execute("SAVEPOINT op")
             try:
                 pending.result = (True, pending.op(conn))
             except Exception as exc:
-                conn.execute("ROLLBACK TO op")
                 if isinstance(exc, sqlite3.Error):
                     exc = StoreUnavailable(f"the store failed: {exc}")
                 pending.result = (False, exc)
+                if not conn.in_transaction:  # SQLite rolled it all back
+                    conn.execute("BEGIN IMMEDIATE")
+                    return [other for other in batch if other is not pending]
+                conn.execute("ROLLBACK TO op")
             conn.execute("RELEASE op")
+        return []
 
 
 def _run_commit(commit: Callable[[_Batch], None], batch: _Batch) -> None:

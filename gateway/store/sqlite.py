@@ -233,6 +233,9 @@ class SqliteStore:
             if conn is not None:
                 await loop.run_in_executor(pool, conn.close)
             pool.shutdown(wait=True)
+        # closed: a read or a write from now on is refused as unavailable, and a second
+        # close does nothing
+        self._writer_conn = self._reader_conn = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None

@@ -93,6 +93,64 @@ class TestGroupCommit:
         finally:
             await store.close()
 
+    @pytest.mark.parametrize("ending", ["disk_full", "or_rollback"])
+    async def test_a_failure_that_ends_the_transaction_sinks_only_its_own_operation(
+        self, tmp_path: Path, ending: str
+    ) -> None:
+        """SQLite answers some failures by rolling the whole transaction back, savepoints and
+        all (a full disk; a constraint `OR ROLLBACK`): the batch is begun again without the
+        failing operation, and the others still commit."""
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+
+        def prepare(conn: sqlite3.Connection) -> None:
+            conn.execute("CREATE TABLE blobs (b BLOB)")
+            conn.execute("CREATE TABLE keys (k INTEGER PRIMARY KEY)")
+            conn.execute("INSERT INTO keys VALUES (1)")
+
+        def failing(conn: sqlite3.Connection) -> None:
+            if ending == "disk_full":  # SQLITE_FULL: more than max_page_count allows
+                conn.execute("INSERT INTO blobs VALUES (zeroblob(4000000))")
+            else:
+                conn.execute("INSERT OR ROLLBACK INTO keys VALUES (1)")
+
+        try:
+            await store.committer.submit(prepare)
+            await store.admit(call(1, key="warm"))  # the receipts' first pages are there
+            pages = await store.committer.submit(
+                lambda conn: conn.execute("PRAGMA page_count").fetchone()[0]
+            )
+            await store.committer.submit(  # room for a few receipts, not for 4 MB
+                lambda conn: conn.execute(f"PRAGMA max_page_count={pages + 64}").fetchone()
+            )
+            before = store.committer.batches
+            first, failed, second = await asyncio.gather(
+                store.admit(call(1, key="a")),
+                store.committer.submit(failing),
+                store.admit(call(1, key="b")),
+                return_exceptions=True,
+            )
+            assert store.committer.batches - before == 1  # all three in one transaction
+            assert isinstance(failed, StoreUnavailable)
+            assert isinstance(first, Admitted) and isinstance(second, Admitted)
+            for admitted in (first, second):
+                assert (await store.get_receipt(admitted.receipt_id)).status == "pending"
+        finally:
+            await store.close()
+
+    async def test_a_closed_store_refuses_reads_and_writes_as_unavailable(
+        self, tmp_path: Path
+    ) -> None:
+        store = SqliteStore(tmp_path / "gw.db", instance="one")
+        await store.open()
+        admitted = await store.admit(call(1, key="a"))
+        await store.close()
+        with pytest.raises(StoreUnavailable):
+            await store.admit(call(1, key="late"))
+        with pytest.raises(StoreUnavailable):
+            await store.get_receipt(admitted.receipt_id)
+        await store.close()  # a second close does nothing
+
 
 class TestWhereTheWorkRuns:
     """A batch's short operations run on the event loop's thread, its bulk ones and its
