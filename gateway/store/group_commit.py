@@ -242,7 +242,7 @@ class GroupCommitter:
                         continue
                     loop.call_soon_threadsafe(self._answer, batch)
                 # after the answers are on their way: upkeep holds up the next batch only;
-                # one that failed (a checkpoint) is tried again after the next batches
+                # one that failed (a checkpoint) is tried again when it is next due
                 with contextlib.suppress(sqlite3.Error):
                     self._between_batches()
                 loop.call_soon_threadsafe(self._next)
