@@ -290,3 +290,62 @@ class TestStalledClient:
                 assert answer.status == 200
         finally:
             writer.close()
+
+
+class TestStalledReplay:
+    """A replay reaches no tool: its resource's place (the serial turn, the fence) is let go
+    before the stored answer is written, so a client that does not read its replay holds up
+    no other call of the resource, as a forwarded call's relay does not."""
+
+    BIG = 24 * 1024 * 1024  # more than loopback's socket buffers hold
+
+    async def _replay_stalled(
+        self, make_app: AppFactory, upstream: RecordingUpstream, rule: dict[str, Any]
+    ) -> tuple[InProcessGateway, asyncio.StreamWriter]:
+        """A call with a big answer kept for replay, then the same call again by a client
+        that reads nothing of its replay."""
+        rule = {**rule, "queue_timeout_s": 0.5, "idempotency": {"replay_max_bytes": self.BIG}}
+        gw = await make_app(make_policy(upstream.url, [rule], timeout_s=10), body_timeout_s=5)
+        upstream.script("/api/big", Behavior(body=b"x" * self.BIG))
+        resource = rule["match"].replace("*", "a")
+        first = fenced_headers(resource, 1, **{"Idempotency-Key": "k-big"})
+        async with gw.client.post("/tool/big", headers=first, data=b"") as answer:
+            assert answer.status == 200
+            assert len(await answer.read()) == self.BIG
+        _reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(
+            b"POST /tool/big HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: %b\r\n"
+            b"X-Fence-Token: 1\r\nIdempotency-Key: k-big\r\nContent-Length: 0\r\n\r\n"
+            % resource.encode()
+        )
+        await writer.drain()
+        await asyncio.sleep(0.5)  # the replay is being written, and stalls
+        return gw, writer
+
+    async def _next_call_goes_through(
+        self, gw: InProcessGateway, upstream: RecordingUpstream, resource: str, fence: int
+    ) -> None:
+        headers = fenced_headers(resource, fence, **{"Idempotency-Key": "k-next"})
+        async with gw.client.post("/tool/next", headers=headers, data=b"") as answer:
+            assert answer.status == 200, (answer.status, (await answer.text())[:300])
+        assert [r.path for r in upstream.received()] == ["/api/big", "/api/next"]
+
+    async def test_the_serial_turn_is_not_held(
+        self, make_app: AppFactory, upstream: RecordingUpstream
+    ) -> None:
+        gw, writer = await self._replay_stalled(
+            make_app, upstream, {"match": "ser/*", "concurrency": "serial"}
+        )
+        try:
+            await self._next_call_goes_through(gw, upstream, "ser/a", 1)
+        finally:
+            writer.close()
+
+    async def test_a_new_owner_does_not_wait_for_it(
+        self, make_app: AppFactory, upstream: RecordingUpstream
+    ) -> None:
+        gw, writer = await self._replay_stalled(make_app, upstream, {"match": "par/*"})
+        try:
+            await self._next_call_goes_through(gw, upstream, "par/a", 2)
+        finally:
+            writer.close()
