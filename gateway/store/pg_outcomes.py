@@ -63,7 +63,9 @@ class OutcomeBatches:
 
     async def _send(self, batch: list[_Waiting]) -> None:
         try:
-            recorded = await self._record([row for row, _ in batch])
+            # in the order of their receipts' ids, the order in which a sweep locks receipts
+            # too: two transactions that lock rows in one order never deadlock
+            recorded = await self._record(sorted((row for row, _ in batch), key=_receipt_id))
         except Exception as exc:
             if len(batch) > 1 and self._alone_after(exc):
                 await asyncio.gather(*(self._send([one]) for one in batch))
@@ -76,3 +78,7 @@ class OutcomeBatches:
         for row, future in batch:
             if not future.done():
                 future.set_result(row[0] in recorded)
+
+
+def _receipt_id(row: Row) -> str:
+    return str(row[0])

@@ -759,6 +759,10 @@ class PostgresStore:
             stored = await conn.fetchrow(
                 _ADVANCE_AND_REPLAY, call.resource, call.fence, decision.receipt_id
             )
+            if stored is None:
+                # A peer's retention pruned the key and its answer since the read (prune
+                # takes no lock of the resource's): decide again on what is there now.
+                return await self._admit(conn, call)
             return replayed_of(decision.receipt_id, stored)
         if isinstance(decision, idempotency.Refuse):
             receipt_id = self._new_id(now)
@@ -1504,9 +1508,12 @@ class PostgresStore:
                 ended = await conn.fetch(_END_SILENT, sorted(silent), silent_after_s)
                 renewed = silent - {row["id"] for row in ended}
                 lost = [row for row in lost if row["instance"] not in renewed]
+            # the receipts locked in the order of their ids, as an outcome batch locks them
+            # (gateway.store.pg_outcomes): in another order the two could deadlock
             turned = await conn.fetch(
                 "UPDATE receipts SET status = 'outcome_unknown', error = 'outcome_not_recorded' "
-                "WHERE id = ANY($1) AND status = 'pending' RETURNING upstream",
+                "WHERE id IN (SELECT id FROM receipts WHERE id = ANY($1) AND status = 'pending' "
+                "ORDER BY id FOR UPDATE) AND status = 'pending' RETURNING upstream",
                 [row["id"] for row in lost],
             )
             return count_by_upstream(turned)
@@ -1516,11 +1523,9 @@ class PostgresStore:
     async def prune(self, receipt_retention_s: float) -> int:
         async def op(conn: Any) -> int:
             await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at < {_NOW}")
-            # Instances silent longer than receipts are kept: their receipts were recovered
-            # long ago, and a deleted instance can never renew its heartbeat.
-            await conn.execute(
-                f"DELETE FROM instances WHERE heartbeat_at < {_NOW} - $1", receipt_retention_s
-            )
+            # Instances are never deleted (a row for each process's start, and each lapse):
+            # with its row gone an id could be taken again (docs/contract.md §9), and the
+            # lapsed process that held it would renew the new one's heartbeat.
             status = await conn.execute(
                 "DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
                 f"IN ({SETTLED_SQL}) AND r.completed_at < {_NOW} - $1 AND NOT EXISTS (SELECT 1 "
