@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from typing import Any
 
 import pytest
@@ -295,57 +296,89 @@ class TestStalledClient:
 class TestStalledReplay:
     """A replay reaches no tool: its resource's place (the serial turn, the fence) is let go
     before the stored answer is written, so a client that does not read its replay holds up
-    no other call of the resource, as a forwarded call's relay does not."""
+    no other call of the resource, as a forwarded call's relay does not. The same for an MCP
+    tool call's replay (docs/contract.md §16)."""
 
     BIG = 24 * 1024 * 1024  # more than loopback's socket buffers hold
 
+    @staticmethod
+    def _request(
+        mcp: bool, resource: str, fence: int, what: str
+    ) -> tuple[str, dict[str, str], bytes]:
+        """A fenced call of `what`: its path, headers and body."""
+        headers = fenced_headers(resource, fence)
+        if not mcp:
+            return f"/tool/{what}", {**headers, "Idempotency-Key": f"k-{what}"}, b""
+        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": what}}
+        headers = {**headers, "Accept": "application/json, text/event-stream"}
+        return (
+            "/tool/mcp",
+            {**headers, "Content-Type": "application/json"},
+            json.dumps(call).encode(),
+        )
+
     async def _replay_stalled(
-        self, make_app: AppFactory, upstream: RecordingUpstream, rule: dict[str, Any]
+        self, make_app: AppFactory, upstream: RecordingUpstream, rule: dict[str, Any], mcp: bool
     ) -> tuple[InProcessGateway, asyncio.StreamWriter]:
         """A call with a big answer kept for replay, then the same call again by a client
         that reads nothing of its replay."""
         rule = {**rule, "queue_timeout_s": 0.5, "idempotency": {"replay_max_bytes": self.BIG}}
-        gw = await make_app(make_policy(upstream.url, [rule], timeout_s=10), body_timeout_s=5)
-        upstream.script("/api/big", Behavior(body=b"x" * self.BIG))
+        if mcp:
+            rule["tools"] = ["send_*"]
+        policy = make_policy(upstream.url, [rule], timeout_s=10, mcp=mcp)
+        gw = await make_app(policy, body_timeout_s=5)
+        text = "x" * (self.BIG - 100)  # the whole answer within replay_max_bytes
+        big = {"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": text}]}}
+        upstream.script(
+            "/api/mcp" if mcp else "/api/send_big", Behavior(body=json.dumps(big).encode())
+        )
         resource = rule["match"].replace("*", "a")
-        first = fenced_headers(resource, 1, **{"Idempotency-Key": "k-big"})
-        async with gw.client.post("/tool/big", headers=first, data=b"") as answer:
+        path, headers, body = self._request(mcp, resource, 1, "send_big")
+        async with gw.client.post(path, headers=headers, data=body) as answer:
             assert answer.status == 200
-            assert len(await answer.read()) == self.BIG
+            assert len(await answer.read()) > self.BIG - 100
         _reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         writer.write(
-            b"POST /tool/big HTTP/1.1\r\nHost: x\r\nX-Lease-Resource: %b\r\n"
-            b"X-Fence-Token: 1\r\nIdempotency-Key: k-big\r\nContent-Length: 0\r\n\r\n"
-            % resource.encode()
+            f"POST {path} HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         await writer.drain()
         await asyncio.sleep(0.5)  # the replay is being written, and stalls
         return gw, writer
 
     async def _next_call_goes_through(
-        self, gw: InProcessGateway, upstream: RecordingUpstream, resource: str, fence: int
+        self,
+        gw: InProcessGateway,
+        upstream: RecordingUpstream,
+        resource: str,
+        fence: int,
+        mcp: bool,
     ) -> None:
-        headers = fenced_headers(resource, fence, **{"Idempotency-Key": "k-next"})
-        async with gw.client.post("/tool/next", headers=headers, data=b"") as answer:
+        upstream.script("/api/mcp" if mcp else "/api/send_next", Behavior())
+        path, headers, body = self._request(mcp, resource, fence, "send_next")
+        async with gw.client.post(path, headers=headers, data=body) as answer:
             assert answer.status == 200, (answer.status, (await answer.text())[:300])
-        assert [r.path for r in upstream.received()] == ["/api/big", "/api/next"]
+        assert len(upstream.received()) == 2
 
+    @pytest.mark.parametrize("mcp", [False, True], ids=["plain", "mcp"])
     async def test_the_serial_turn_is_not_held(
-        self, make_app: AppFactory, upstream: RecordingUpstream
+        self, make_app: AppFactory, upstream: RecordingUpstream, mcp: bool
     ) -> None:
         gw, writer = await self._replay_stalled(
-            make_app, upstream, {"match": "ser/*", "concurrency": "serial"}
+            make_app, upstream, {"match": "ser/*", "concurrency": "serial"}, mcp
         )
         try:
-            await self._next_call_goes_through(gw, upstream, "ser/a", 1)
+            await self._next_call_goes_through(gw, upstream, "ser/a", 1, mcp)
         finally:
             writer.close()
 
+    @pytest.mark.parametrize("mcp", [False, True], ids=["plain", "mcp"])
     async def test_a_new_owner_does_not_wait_for_it(
-        self, make_app: AppFactory, upstream: RecordingUpstream
+        self, make_app: AppFactory, upstream: RecordingUpstream, mcp: bool
     ) -> None:
-        gw, writer = await self._replay_stalled(make_app, upstream, {"match": "par/*"})
+        gw, writer = await self._replay_stalled(make_app, upstream, {"match": "par/*"}, mcp)
         try:
-            await self._next_call_goes_through(gw, upstream, "par/a", 2)
+            await self._next_call_goes_through(gw, upstream, "par/a", 2, mcp)
         finally:
             writer.close()
