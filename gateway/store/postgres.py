@@ -432,8 +432,10 @@ class PostgresStore:
         # Receipts that may have been admitted by a commit the gateway took for failed (one
         # that did not wait for the synchronous standby, §19; an `admit_fresh` whose connection
         # was lost): never forwarded, they are completed `not_sent`, with the error each is
-        # kept with, at the next heartbeat that reaches a store taking writes.
-        self._unsent: dict[str, str] = {}
+        # kept with, at the next heartbeat that reaches a store taking writes. Each is kept
+        # with when it was noted (monotonic): one not there yet is looked for again, for a
+        # while (`_settle_unsent`).
+        self._unsent: dict[str, tuple[str, float]] = {}
         self._outcomes = OutcomeBatches(
             lambda rows: self._run(lambda conn: _record_pending(conn, rows), writes=True),
             _refused_by_server,
@@ -636,7 +638,7 @@ class PostgresStore:
                 )
             except StoreUnavailable as exc:
                 if isinstance(exc.__cause__, _LOST_CONNECTION):
-                    self._unsent[receipt_id] = "store_unavailable"
+                    self._unsent[receipt_id] = ("store_unavailable", time.monotonic())
                 raise
             if admitted is not None:
                 return admitted
@@ -644,7 +646,7 @@ class PostgresStore:
             return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
         except pg_sync.NotReplicated as exc:
             if isinstance(exc.result, Admitted):
-                self._unsent[exc.result.receipt_id] = pg_sync.REPLICATION_WAIT
+                self._unsent[exc.result.receipt_id] = (pg_sync.REPLICATION_WAIT, time.monotonic())
             raise
 
     def _refuse_unreplicated(self, locked: Any = None) -> None:
@@ -1471,9 +1473,15 @@ class PostgresStore:
 
     async def _settle_unsent(self) -> None:
         """Complete `not_sent` the receipts of `_unsent` still `pending`: their calls were
-        never forwarded (one whose admission never committed is not there to complete)."""
-        for receipt_id, error in sorted(self._unsent.items()):
-            await self.complete(receipt_id, Outcome("not_sent", error=error))
+        never forwarded. One not there may be yet to come: an admission whose connection was
+        lost goes on at the server (waiting for its resource's lock) and commits unheard. It
+        is looked for at each heartbeat while its instance's lease lasts; one that commits
+        later still is left to the sweeper (`outcome_unknown`)."""
+        wait_s = liveness.SILENT_INTERVALS * self._interval
+        for receipt_id, (error, noted) in sorted(self._unsent.items()):
+            completion = await self.complete(receipt_id, Outcome("not_sent", error=error))
+            if completion is Completion.MISSING and time.monotonic() - noted < wait_s:
+                continue
             del self._unsent[receipt_id]
 
     async def expire_pending(
