@@ -369,6 +369,9 @@ async def _relay(
     reads the upstream is handed back still running: cancelling a read of aiohttp's client
     WebSocket marks it broken, and its close would then not wait for the upstream's reply.
     Closing it ends that read instead."""
+    # idle counts from the moment the session opens, not from its admission: the wait for
+    # older calls of the resource and the tool's handshake are not the client's silence
+    session.touch()
     outward = asyncio.create_task(_pump(session, upstream_ws, client_ws, store, inward=False))
     tasks = [
         asyncio.create_task(_pump(session, client_ws, upstream_ws, store, inward=True)),

@@ -2,8 +2,8 @@
 a session open leaves it `outcome_unknown`; SIGTERM closes sessions (1001, `shutdown`) within
 the grace; a message over `max_message_bytes` closes with 1009 (`limit`) without being
 relayed; a session with no message or client ping for `session_idle_timeout_s` closes with
-1001 (`idle`); and a slow reader on either side slows the other instead of making the
-gateway buffer without bound.
+1001 (`idle`), counted from its opening, not its admission; and a slow reader on either side
+slows the other instead of making the gateway buffer without bound.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import WSMsgType
+from aiohttp import WSMsgType, web
 
-from tests.harness import GatewayFactory, GatewayProcess, fetch_receipts
+from tests.harness import GatewayFactory, GatewayProcess, fenced_headers, fetch_receipts, free_port
 from tests.sessions.conftest import closed_with, connect, next_message, settled_receipts, ws_policy
 from tests.sessions.ws_upstream import WsUpstream
 
@@ -191,3 +191,68 @@ def _rss(gw: GatewayProcess) -> int:
     status = Path(f"/proc/{gw.proc.pid}/status").read_text()
     line = next(x for x in status.splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+class SlowHandshakeTool:
+    """A WebSocket tool that takes `delay_s` to answer an upgrade, then echoes text."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> SlowHandshakeTool:
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}/api"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(self.delay_s)
+        ws = web.WebSocketResponse(autoping=False, autoclose=False, max_msg_size=0)
+        await ws.prepare(request)
+        while True:
+            message = await ws.receive()
+            if message.type is WSMsgType.TEXT:
+                await ws.send_str(message.data)
+            elif message.type is WSMsgType.CLOSE:
+                with contextlib.suppress(Exception):
+                    await ws.close(code=message.data or 1000)
+                break
+            elif message.type not in (WSMsgType.BINARY, WSMsgType.PING, WSMsgType.PONG):
+                break
+        return ws
+
+
+async def test_the_idle_clock_starts_when_the_session_opens_not_at_admission(
+    gateway_factory: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    """§15: a session closes as idle after `session_idle_timeout_s` with no message or client
+    ping either way. A session that took longer than that to open (here a slow handshake,
+    well within the upstream's `timeout_s`; equally a wait for an older session or call of
+    the resource to leave) has had no chance to send anything: it must not be closed as idle
+    the moment its upgrade is answered."""
+    async with SlowHandshakeTool(delay_s=1.5) as tool:
+        gw = await gateway_factory(ws_policy(tool.url, session_idle_timeout_s=1.0))
+        ws: aiohttp.ClientWebSocketResponse[Any] = await session.ws_connect(
+            f"{gw.url}/tool/ws",
+            headers=fenced_headers("ext/idleclock", 1),
+            autoping=False,
+            autoclose=False,
+            max_msg_size=0,
+        )
+        await ws.send_str("first")  # at once: the session has been open for no time at all
+        message = await ws.receive(timeout=5)
+        with contextlib.suppress(Exception):
+            await ws.close()
+        (receipt,) = await settled_receipts(session, gw.url, resource="ext/idleclock")
+        got = (message.type, message.data, receipt["session"]["closed_by"])
+        assert got == (WSMsgType.TEXT, "first", "client"), got
