@@ -81,19 +81,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Body:
-    """A POST's body, read: its JSON document (`NOT_JSON` when it is none) and the request
-    id an error answers with, when it has a usable one."""
+    """A POST's body, read: its JSON document and the request id an error answers with, when
+    it has a usable one."""
 
     document: Any
     id: JsonRpcId | None
 
 
-NOT_JSON = object()
-
-
 def parse_body(body: bytes) -> Body:
     """The JSON document of a POST; `400 invalid_request` for one another reader could read
-    as another message (a member named twice, nesting too deep to read)."""
+    as another message (a member named twice, nesting too deep to read, what is not JSON
+    Python reads)."""
     document: Any
     try:
         document = json.loads(body, object_pairs_hook=_no_duplicates)
@@ -101,8 +99,10 @@ def parse_body(body: bytes) -> Body:
         raise errors.InvalidRequest(f"the JSON body names member {exc} twice") from None
     except RecursionError:
         raise errors.InvalidRequest("the JSON body is nested too deeply to read") from None
-    except ValueError:  # not JSON (JSONDecodeError, UnicodeDecodeError): the server says so
-        return Body(NOT_JSON, None)
+    except ValueError as exc:  # not JSON Python reads (a bad byte, a value after the first,
+        # a number of more than 4,300 digits): a server with another reader may read it as a
+        # tool call, which the gateway could not fence (docs/contract.md §16)
+        raise errors.InvalidRequest(f"the body is not JSON the gateway can read: {exc}") from None
     request_id = document.get("id") if isinstance(document, dict) else None
     return Body(document, request_id if _is_id(request_id) else None)
 

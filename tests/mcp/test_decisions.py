@@ -74,13 +74,13 @@ def test_which_messages_are_tool_calls_and_what_is_refused() -> None:
     assert call.operation == b'{"a":1}' and call.stripped_body is None
     listing = b'{"jsonrpc":"2.0","id":"x","method":"tools/list"}'
     assert read(listing) == m.OtherMessage("x", None)
-    assert read(b"not json") == m.OtherMessage(None, None)
     assert read(b'[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]') == m.OtherMessage(None, None)
     refused = [
         (call_body(), "tools/list", None),  # Mcp-Method disagrees
         (call_body(), None, "other"),  # Mcp-Name disagrees
         (call_body(), None, "=?base64?!!?="),  # a malformed encoded name never agrees
         (b"not json", "tools/call", None),
+        (b"not json", None, None),  # not JSON: it might be a tool call to another reader
         (b"[" + call_body() + b"]", None, None),  # a batch holding a tool call
         (call_body(None), None, None),  # a tool call without an id
         (call_body(True), None, None),
