@@ -323,8 +323,13 @@ class _AnswerReader:
         if lost is not None:
             self.failure = lost
             return head, Outcome("outcome_unknown", error=lost.code, forwarded_at=forwarded_at)
+        # kept for replay only when whole and within replay_max_bytes (docs/contract.md §4)
+        fits = complete and len(body) <= self.rule.idempotency.replay_max_bytes
+        stored = (kept, body) if fits else None
         if not 200 <= answer.status < 300:  # the server refused it: docs/contract.md §3
-            return head, head.outcome(forwarded_at)
+            return head, Outcome(
+                "failed", http_status=answer.status, forwarded_at=forwarded_at, response=stored
+            )
         outcome = (
             jsonrpc.answer_outcome(jsonrpc.parse_json(body), self.call.id) if complete else None
         )
@@ -335,7 +340,6 @@ class _AnswerReader:
                 error="no_jsonrpc_answer",
                 forwarded_at=forwarded_at,
             )
-        stored = (kept, body) if len(body) <= self.rule.idempotency.replay_max_bytes else None
         return head, Outcome(
             outcome, http_status=answer.status, forwarded_at=forwarded_at, response=stored
         )
