@@ -3,7 +3,8 @@ events as bytes arrive, so that an MCP answer streamed as SSE can be relayed eve
 and the event that answers a tool call found before it is passed on (docs/contract.md §16).
 
 An event's raw bytes are kept as they came, to be passed on unchanged; its `data` lines are
-joined as the standard says. Lines end with CR LF, LF or CR; an empty line ends an event.
+joined as the standard says. Lines end with CR LF, LF or CR; an empty line ends an event; one
+byte order mark at the start of the stream is not part of its first line.
 """
 
 from __future__ import annotations
@@ -33,16 +34,21 @@ class SseSplitter:
     _pos: int = 0  # where the next line starts in the buffer
     _event: str | None = None
     _data: list[str] | None = None
+    _first_line: bool = True  # the stream's: a BOM before it is not part of it
+    _ended: bool = False
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         self._buffer += chunk
         events: list[SseEvent] = []
         buffer = self._buffer
         while True:
-            end, after = _line_end(buffer, self._pos)
+            end, after = _line_end(buffer, self._pos, self._ended)
             if end < 0:
                 break
             line = bytes(buffer[self._pos : end])
+            if self._first_line:
+                self._first_line = False
+                line = line.removeprefix(_BOM)
             self._pos = after
             if line:
                 self._field(line)
@@ -53,6 +59,12 @@ class SseSplitter:
         if len(buffer) > self.max_event_bytes:
             raise EventTooLarge(f"an event is longer than {self.max_event_bytes} bytes")
         return events
+
+    def end(self) -> list[SseEvent]:
+        """The stream ended: the events that completes (a CR it ended with ends a line, as
+        no LF can follow it now)."""
+        self._ended = True
+        return self.feed(b"")
 
     def rest(self) -> bytes:
         """What was fed after the last whole event (at the end of a stream: a cut event)."""
@@ -75,12 +87,14 @@ class SseSplitter:
 
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_BOM = b"\xef\xbb\xbf"
 
 
-def _line_end(buffer: bytearray, start: int) -> tuple[int, int]:
+def _line_end(buffer: bytearray, start: int, ended: bool) -> tuple[int, int]:
     """(end of the line starting at `start`, start of the next); (-1, -1) while the line is
-    incomplete. A CR at the very end waits: an LF may follow in the next chunk."""
+    incomplete. A CR at the very end waits, unless the stream `ended`: an LF may follow in
+    the next chunk."""
     found = _LINE_END.search(buffer, start)
-    if found is None or (found.group() == b"\r" and found.end() == len(buffer)):
+    if found is None or (found.group() == b"\r" and found.end() == len(buffer) and not ended):
         return -1, -1
     return found.start(), found.end()

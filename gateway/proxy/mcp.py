@@ -357,8 +357,11 @@ class _AnswerReader:
         error = "response_incomplete"
         try:
             async with asyncio.timeout_at(deadline):
-                while chunk := await answer.read():
-                    events = splitter.feed(chunk)
+                ended = False
+                while not ended:
+                    chunk = await answer.read()
+                    ended = not chunk
+                    events = splitter.feed(chunk) if chunk else splitter.end()
                     for index, event in enumerate(events):
                         outcome = self._outcome_of(event)
                         if outcome is not None:

@@ -178,6 +178,16 @@ def test_sse_events_are_cut_whatever_the_chunks() -> None:
         SseSplitter(max_event_bytes=10).feed(b"data: " + b"x" * 20)
 
 
+def test_a_stream_s_end_and_its_byte_order_mark() -> None:
+    # an event whose last line ends with a lone CR as the stream ends: nothing can follow it
+    splitter = SseSplitter(max_event_bytes=100)
+    assert splitter.feed(b"data: a\r\r") == []  # an LF may yet come
+    assert [(e.data, e.raw) for e in splitter.end()] == [("a", b"data: a\r\r")]
+    # one BOM before the stream's first line is not part of it; its bytes pass on unchanged
+    (event,) = SseSplitter(max_event_bytes=100).feed(b"\xef\xbb\xbfdata: b\n\n")
+    assert (event.data, event.raw) == ("b", b"\xef\xbb\xbfdata: b\n\n")
+
+
 def test_check_policies_validates_mcp_and_tools(tmp_path: Path) -> None:
     def load(**rule: object) -> None:
         policy = make_policy("http://127.0.0.1:1", [{"match": "m/*", **rule}], mcp=True)
