@@ -74,12 +74,3 @@ def _call(request_id: Any, to: str) -> dict[str, Any]:
         "method": "tools/call",
         "params": {"name": "send_email", "arguments": {"to": to, "text": "t"}},
     }
-
-
-def _call(request_id: Any, to: str) -> dict[str, Any]:
-    return {
-        "jsonrpc": "2.0",
-        "id": request_id,
-        "method": "tools/call",
-        "params": {"name": "send_email", "arguments": {"to": to, "text": "t"}},
-    }

@@ -578,11 +578,15 @@ class _CuttableProxy:
             self._server.close()
 
 
-async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("heartbeat_first", [False, True], ids=["commit_first", "heartbeat_first"])
+async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(
+    tmp_path: Path, heartbeat_first: bool
+) -> None:
     """`admit_fresh` commits whole once sent, lock wait included, whether or not its answer
     arrives: an admission whose connection was lost under it is refused (nothing forwarded),
-    and a `pending` receipt it may have written is completed `not_sent` at the next heartbeat,
-    so the key is free for the retry."""
+    and a `pending` receipt it may have written is completed `not_sent` at a heartbeat, so the
+    key is free for the retry; also when a heartbeat ran before it committed and found none
+    (`heartbeat_first`)."""
     from gateway.core.errors import StoreUnavailable
 
     url = pg_database(tmp_path)
@@ -602,6 +606,8 @@ async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(tmp_pat
         proxy.cut()
         with pytest.raises(StoreUnavailable):
             await admitting
+        if heartbeat_first:
+            await store.heartbeat()  # before the lock is let go: no receipt to complete yet
         await tx.commit()  # the waiting statement goes on, and commits unheard
         await locker.close()
         for _ in range(200):

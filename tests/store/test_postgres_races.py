@@ -1,6 +1,5 @@
-"""Races on one PostgreSQL store: an outcome batch and a peer's sweep, an admission that
-commits after its connection was lost, a replay and a peer's retention, an instance id and
-its restart. Each interleaving is made
+"""Races between replicas on one PostgreSQL store: an outcome batch and a peer's sweep, a
+replay and a peer's retention, an instance id and its restart. Each interleaving is made
 deterministic by holding a lock (or pausing a statement) on another connection, as
 tests/store/test_postgres.py::TestInstances does (docs/contract.md §3, §4, §9, §14)."""
 
@@ -25,7 +24,6 @@ from gateway.store.postgres import _ADVANCE_AND_REPLAY, PostgresStore  # noqa: E
 from tests.store.test_postgres_admission import (  # noqa: E402
     LOCK_WAITS,
     RESOURCE,
-    _CuttableProxy,
     until,
 )
 
@@ -95,53 +93,6 @@ class TestOutcomeBatchAgainstASweep:
             await blocker.close()
             await owner.close()
             await peer.close()
-
-
-class TestUnsentAdmissions:
-    async def test_an_admission_committing_after_a_heartbeat_looked_for_it_ends_not_sent(
-        self, tmp_path: Path
-    ) -> None:
-        """`admit_fresh` on a lost connection goes on waiting for its resource's lock at the
-        server, and commits unheard. A heartbeat between the cut and that commit finds no
-        receipt yet; the receipt is looked for again at the next, and completed `not_sent`
-        (it was never forwarded), not left `pending` for the sweeper to make
-        `outcome_unknown`."""
-        url = pg_database(tmp_path)
-        proxy = _CuttableProxy()
-        await proxy.start()
-        store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
-        await store.open()
-        direct = await asyncpg.connect(url)
-        locker = await asyncpg.connect(url)
-        try:
-            assert isinstance(await store.admit(call(1, key="first")), Admitted)
-            tx = locker.transaction()
-            await tx.start()
-            await locker.execute("SELECT 1 FROM fences WHERE resource = $1 FOR UPDATE", RESOURCE)
-            admitting = asyncio.create_task(store.admit(call(2, key="second")))
-            await until(direct, LOCK_WAITS, bool, "the admission never waited for the lock")
-            proxy.cut()
-            with pytest.raises(StoreUnavailable):
-                await admitting
-            await store.heartbeat()  # the next heartbeat, before the lock is let go
-            await tx.commit()  # the waiting statement goes on, and commits unheard
-            for _ in range(200):
-                if await direct.fetchval(
-                    "SELECT status FROM receipts WHERE idempotency_key = 'second'"
-                ):
-                    break
-                await asyncio.sleep(0.02)
-            await store.heartbeat()
-            row = await direct.fetchrow(
-                "SELECT status, error FROM receipts WHERE idempotency_key = 'second'"
-            )
-            assert row is not None
-            assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
-        finally:
-            await locker.close()
-            await direct.close()
-            await proxy.close()
-            await store.close()
 
 
 class TestInstancesAgainstRetention:
