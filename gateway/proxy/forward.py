@@ -67,13 +67,16 @@ async def admit(app: web.Application, call: Call, place: Place) -> Admitted | Re
     first: whichever of two calls is admitted first, the later one waits for it or is
     refused as stale. Once the fence has advanced, the open sessions of the resource with a
     lower fence on this process are cut (docs/contract.md §15); `clear_to_forward` then
-    waits for them to close."""
+    waits for them to close. A replay reaches no tool: it leaves its place at once (its
+    turn, its fence), so that a client slow to read the stored answer holds up no call."""
     place.register(call.fence)
     started = time.perf_counter()
     result = await app[appkeys.STORE].admit(call)
     app[appkeys.METRICS].admission.observe(time.perf_counter() - started)
     if not isinstance(result, Refused) or result.code not in _FENCE_REFUSALS:
         place.cut_below(call.fence)
+    if isinstance(result, Replayed):
+        place.leave()
     return result
 
 

@@ -33,7 +33,7 @@ from gateway.proxy.relay import (
     stream_back,
 )
 from gateway.proxy.route import Route, route
-from gateway.store.base import Admitted, Call, Refused, Replayed
+from gateway.store.base import Call, Refused, Replayed
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -96,32 +96,30 @@ async def _fenced(request: web.Request, flow: Flow, upstream: Upstream) -> web.S
         result = await admit(app, call, place)
         if isinstance(result, Refused):
             raise checks.error_for(result)
-        if isinstance(result, Admitted):
-            flow.admitted = result
-            answer_headers = flow.answer_headers(result.receipt_id)
-            async with forward(app, flow, place, framed_body(request, body), request) as exchange:
-                if not exchange.recorded:
-                    answer_headers["X-Receipt-Outcome"] = "unrecorded"
-                if exchange.head is None:
-                    error = exchange.error or errors.GatewayError()
-                    error.headers.update(answer_headers)
-                    raise error
-                response, broke = await stream_back(
-                    request,
-                    _discovery_rewritten(request, flow, upstream, exchange.head),
-                    exchange.answer,
-                    answer_headers,
-                    exchange.deadline,
-                )
-            if broke and not exchange.head.broken:
-                try:
-                    await app[appkeys.STORE].mark_incomplete(result.receipt_id)
-                except errors.StoreUnavailable as exc:  # the answer is gone; only the log tells
-                    logs.event("store_write_failed", logging.WARNING, error=str(exc))
-            return response
-    # A replay reaches no tool: the resource's place (its turn, its fence) is let go before the
-    # stored answer is written, so a client that does not read it holds up no other call.
-    return await _replay(request, flow, result)
+        if isinstance(result, Replayed):
+            return await _replay(request, flow, result)
+        flow.admitted = result
+        answer_headers = flow.answer_headers(result.receipt_id)
+        async with forward(app, flow, place, framed_body(request, body), request) as exchange:
+            if not exchange.recorded:
+                answer_headers["X-Receipt-Outcome"] = "unrecorded"
+            if exchange.head is None:
+                error = exchange.error or errors.GatewayError()
+                error.headers.update(answer_headers)
+                raise error
+            response, broke = await stream_back(
+                request,
+                _discovery_rewritten(request, flow, upstream, exchange.head),
+                exchange.answer,
+                answer_headers,
+                exchange.deadline,
+            )
+        if broke and not exchange.head.broken:
+            try:
+                await app[appkeys.STORE].mark_incomplete(result.receipt_id)
+            except errors.StoreUnavailable as exc:  # the answer is gone; only the log can tell
+                logs.event("store_write_failed", logging.WARNING, error=str(exc))
+        return response
 
 
 async def _checked(

@@ -39,7 +39,7 @@ from gateway.proxy.relay import (
     send_unfenced,
     stream_back,
 )
-from gateway.store.base import Admitted, Refused, Replayed
+from gateway.store.base import Refused, Replayed
 from gateway.wire.answer import Answer
 from gateway.wire.errors import BrokenAnswer
 
@@ -204,28 +204,26 @@ async def _fenced(
         if isinstance(result, Refused):
             raise checks.error_for(result)
         told = flow.answer_headers(result.receipt_id)
-        if isinstance(result, Admitted):
-            flow.admitted = result
-            reader = _AnswerReader(request, call, rule, upstream, told)
-            async with forward(app, flow, place, body, request, reader.read) as exchange:
-                if not exchange.recorded:
-                    told["X-Receipt-Outcome"] = "unrecorded"
-                if exchange.head is None:
-                    failed = exchange.error or errors.GatewayError()
-                    failed.headers.update(told)
-                    raise failed
-                if reader.streaming is not None:
-                    return await reader.finish(exchange.head, exchange.answer, exchange.deadline)
-                if reader.failure is not None:
-                    reader.failure.headers.update(told)
-                    raise reader.failure
-                response, _ = await stream_back(
-                    request, exchange.head, exchange.answer, told, exchange.deadline
-                )
-            return response
-    # a replay reaches no tool: its place is let go before the stored answer is written, as
-    # a proxied call's is (gateway.proxy.handler)
-    return await _replay(request, flow, call, result, told)
+        if isinstance(result, Replayed):
+            return await _replay(request, flow, call, result, told)
+        flow.admitted = result
+        reader = _AnswerReader(request, call, rule, upstream, told)
+        async with forward(app, flow, place, body, request, reader.read) as exchange:
+            if not exchange.recorded:
+                told["X-Receipt-Outcome"] = "unrecorded"
+            if exchange.head is None:
+                failed = exchange.error or errors.GatewayError()
+                failed.headers.update(told)
+                raise failed
+            if reader.streaming is not None:
+                return await reader.finish(exchange.head, exchange.answer, exchange.deadline)
+            if reader.failure is not None:
+                reader.failure.headers.update(told)
+                raise reader.failure
+            response, _ = await stream_back(
+                request, exchange.head, exchange.answer, told, exchange.deadline
+            )
+        return response
 
 
 def _lease_of(request: web.Request, call: jsonrpc.ToolCall) -> CIMultiDictProxy[str]:

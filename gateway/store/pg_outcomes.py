@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from operator import itemgetter
 from typing import Any
 
 Row = tuple[Any, ...]  # one outcome's arguments to `record_outcomes`, the receipt's id first
@@ -65,7 +66,7 @@ class OutcomeBatches:
         try:
             # in the order of their receipts' ids, the order in which a sweep locks receipts
             # too: two transactions that lock rows in one order never deadlock
-            recorded = await self._record(sorted((row for row, _ in batch), key=_receipt_id))
+            recorded = await self._record(sorted((row for row, _ in batch), key=itemgetter(0)))
         except Exception as exc:
             if len(batch) > 1 and self._alone_after(exc):
                 await asyncio.gather(*(self._send([one]) for one in batch))
@@ -78,7 +79,3 @@ class OutcomeBatches:
         for row, future in batch:
             if not future.done():
                 future.set_result(row[0] in recorded)
-
-
-def _receipt_id(row: Row) -> str:
-    return str(row[0])
