@@ -353,26 +353,30 @@ class _AnswerReader:
             self.client_gone = True
         splitter = SseSplitter(max_event_bytes=self.upstream.max_body_bytes)
         error = "response_incomplete"
+        # while the client is slow to read, the tool is not read either: that time is the
+        # client's, not counted against the tool's timeout_s, up to the grace the contract
+        # gives a call beyond it before it may be reconciled (docs/contract.md §7, §16)
+        latest = deadline + self.request.app[appkeys.SETTINGS].reconcile_grace_s
         try:
-            async with asyncio.timeout_at(deadline):
-                ended = False
-                while not ended:
-                    chunk = await answer.read()
-                    ended = not chunk
-                    events = splitter.feed(chunk) if chunk else splitter.end()
-                    for index, event in enumerate(events):
-                        outcome = self._outcome_of(event)
-                        if outcome is not None:
-                            self.held = [e.raw for e in events[index:]] + [splitter.rest()]
-                            stored = self._stored(event)
-                            head = Head(answer.status, kept, b"", complete=False, broken=False)
-                            return head, Outcome(
-                                outcome,
-                                http_status=answer.status,
-                                forwarded_at=forwarded_at,
-                                response=stored,
-                            )
-                        await self._pass_on(event.raw)
+            ended = False
+            while not ended:
+                chunk = await answer.read(deadline=deadline)
+                ended = not chunk
+                events = splitter.feed(chunk) if chunk else splitter.end()
+                for index, event in enumerate(events):
+                    outcome = self._outcome_of(event)
+                    if outcome is not None:
+                        self.held = [e.raw for e in events[index:]] + [splitter.rest()]
+                        stored = self._stored(event)
+                        head = Head(answer.status, kept, b"", complete=False, broken=False)
+                        return head, Outcome(
+                            outcome,
+                            http_status=answer.status,
+                            forwarded_at=forwarded_at,
+                            response=stored,
+                        )
+                    held = await self._pass_on(event.raw, latest)
+                    deadline = min(deadline + held, latest)
         except TimeoutError:
             error = "upstream_timeout"
         except BrokenAnswer:
@@ -397,13 +401,20 @@ class _AnswerReader:
             return None
         return [("Content-Type", "application/json")], body
 
-    async def _pass_on(self, raw: bytes) -> None:
+    async def _pass_on(self, raw: bytes, deadline: float) -> float:
+        """Relay an event that does not answer the call; how long the client held it up.
+        A client still not reading at `deadline` is cut once the outcome is recorded, as
+        one that left: the tool's stream is read on without it."""
         if self.client_gone or self.streaming is None:
-            return
+            return 0.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            await self.streaming.write(raw)
-        except ConnectionError:
+            async with asyncio.timeout_at(deadline):
+                await self.streaming.write(raw)
+        except (ConnectionError, TimeoutError):
             self.client_gone = True  # read on: the outcome is still to be recorded
+        return loop.time() - started
 
     async def finish(
         self, head: Head, answer: Answer | None, deadline: float
