@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import json
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -86,6 +87,11 @@ class GatewayClient:
             # once (the caller decides whether to retry, with the same Idempotency-Key), so
             # that retry is switched off (there is no public switch).
             session._retry_connection = False
+        elif not any(_keep_refusal in t.on_request_end for t in session._trace_configs):
+            # a shared session reads a refused upgrade's problem document too
+            trace = _refusal_trace()
+            trace.freeze()
+            session._trace_configs = [*session._trace_configs, trace]
         self.session = session
 
     async def __aenter__(self) -> GatewayClient:
@@ -193,14 +199,18 @@ class GatewayClient:
         owner: str | None = None,
         signature: str | None = None,
         attempts: int = 3,
+        guard: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
         """Record a checkpoint under `fence` (for fences issued elsewhere; a gateway lease
         has `lease.checkpoint`). An identical retry appends nothing, so a write whose answer
-        was lost in transit is simply sent again, up to `attempts` times."""
+        was lost in transit is simply sent again, up to `attempts` times. `guard` runs
+        before each attempt and raises to send no more (a lease's `check`)."""
         call = checkpoint_call(resource, fence, step, state, owner, signature)
         attempt = 0
         while True:
             attempt += 1
+            if guard is not None:
+                guard()
             try:
                 return CheckpointInfo.from_json(await self._call(call))
             except (GatewayError, *TRANSPORT_ERRORS) as exc:
@@ -240,9 +250,12 @@ class GatewayClient:
             _REFUSAL.reset(token)
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Response:
-        """A proxied call; gateway problem+json raises, any upstream answer is returned."""
+        """A proxied call; gateway problem+json raises, any upstream answer is returned.
+        A redirect is returned, not followed (as `SyncGatewayClient` does): following it
+        would send the call again, fence and body, to wherever `Location` points."""
         headers = dict(kwargs.pop("headers", None) or {})
         headers.update(self.proxy_headers())
+        kwargs.setdefault("allow_redirects", False)
         async with self.session.request(
             method, f"{self.base_url}{path}", headers=headers, **kwargs
         ) as resp:
@@ -358,7 +371,7 @@ class Lease(LeaseState):
         the gateway appends an identical retry once."""
         with self._fenced("a checkpoint", {}):
             return await self._client.checkpoint(
-                self.resource, self.fence, step, state, owner=self.owner
+                self.resource, self.fence, step, state, owner=self.owner, guard=self.check
             )
 
     async def websocket(self, path: str, **kwargs: Any) -> aiohttp.ClientWebSocketResponse[Any]:

@@ -215,6 +215,7 @@ class LeaseState:
     def _acquired(self, info: LeaseInfo, first_sent: float | None) -> None:
         sent = time.monotonic() if first_sent is None else first_sent
         self._info, self._deadline, self._lost_reason = info, sent + info.ttl_s, None
+        self._released = self._gone_on_server = False  # a new lease: released on exit again
 
     def _renewed(self, info: LeaseInfo, sent: float) -> None:
         self.check()  # an answer arriving after the deadline does not revive the lease
@@ -227,9 +228,13 @@ class LeaseState:
 
     def _next_renewal(self, failed: bool) -> float:
         """Seconds until the next renewal; after a transient failure, sooner as the deadline
-        nears (a third of the TTL each time would leave two or three tries)."""
+        nears (a third of the TTL each time would leave two or three tries). Never later
+        than halfway to the local deadline: an acquire or renewal answered late leaves less
+        than the TTL before it."""
         delay = renew_delay(self._held().ttl_s)
-        return max(min(delay, self.remaining_s / 3), 0.05) if failed else delay
+        if failed:
+            return max(min(delay, self.remaining_s / 3), 0.05)
+        return min(delay, self.remaining_s / 2)
 
     def _should_release(self) -> bool:
         """Whether a release is worth sending (once, and not when the gateway said it is gone);
@@ -252,8 +257,9 @@ class LeaseState:
         try:
             yield headers
         except LeaseLost as exc:
-            self._lost_reason = f"gateway refused {what}: {exc.code}"
-            self._gone_on_server = True
+            if exc.status is not None:  # the gateway's refusal, not this lease's own check
+                self._lost_reason = f"gateway refused {what}: {exc.code}"
+                self._gone_on_server = True
             raise
 
     # -- what other HTTP clients and frameworks carry ----------------------------------------

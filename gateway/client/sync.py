@@ -17,6 +17,7 @@ import json
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -197,12 +198,15 @@ class SyncGatewayClient:
         owner: str | None = None,
         signature: str | None = None,
         attempts: int = 3,
+        guard: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
         """Record a checkpoint under `fence`, as `GatewayClient.checkpoint`."""
         call = checkpoint_call(resource, fence, step, state, owner, signature)
         attempt = 0
         while True:
             attempt += 1
+            if guard is not None:
+                guard()
             try:
                 return CheckpointInfo.from_json(self._call(call))
             except (GatewayError, *TRANSPORT_ERRORS) as exc:
@@ -358,7 +362,9 @@ class SyncLease(LeaseState):
     def checkpoint(self, step: str, state: Any) -> CheckpointInfo:
         """Record where this task has got to, as `Lease.checkpoint` (docs/contract.md §17)."""
         with self._fenced("a checkpoint", {}):
-            return self._client.checkpoint(self.resource, self.fence, step, state, owner=self.owner)
+            return self._client.checkpoint(
+                self.resource, self.fence, step, state, owner=self.owner, guard=self.check
+            )
 
     def get(self, path: str, **kwargs: Any) -> Response:
         return self.request("GET", path, **kwargs)

@@ -61,7 +61,11 @@ def public_base(request: web.Request, upstream: Upstream, settings: Settings) ->
     host = request.headers.get("Host", "")
     if not _HOST.fullmatch(host):
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
-        host = f"{sockname[0]}:{sockname[1]}" if sockname else "127.0.0.1"
+        if sockname:
+            address = sockname[0]
+            host = f"[{address}]:{sockname[1]}" if ":" in address else f"{address}:{sockname[1]}"
+        else:
+            host = "127.0.0.1"
     secure = request.scheme == "https"
     forwarded = request.headers.get("X-Forwarded-Proto")
     if forwarded and is_trusted(request.remote or "", settings.trusted_networks):

@@ -7,11 +7,25 @@ in them, and every other answer, passes as it came; a replayed `/json/new` is re
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from tests.harness import AppFactory, Behavior, RecordingUpstream, fenced_headers, make_policy
+from aiohttp.test_utils import TestServer
+
+from gateway.config.policy_files import load_policies
+from gateway.config.settings import Settings
+from gateway.server.app import create_app
+from tests.harness import (
+    AppFactory,
+    Behavior,
+    RecordingUpstream,
+    fenced_headers,
+    make_policy,
+    write_policy,
+)
 
 VERSION = {
     "Browser": "HeadlessChrome/131.0",
@@ -104,3 +118,43 @@ async def test_an_untrusted_peer_s_https_is_not_believed(
     gw = await make_app(policy(upstream))
     _, _, body = await gw.send("GET", "/cdp/json/version", headers={"X-Forwarded-Proto": "https"})
     assert body["webSocketDebuggerUrl"].startswith("ws://")
+
+
+class TestCdpIpv6Fallback:
+    """Without a usable Host header (HTTP/1.0, or one the pattern refuses), the WebSocket URL
+    is built from the socket's own address, an IPv6 one in brackets: `ws://::1:8080/...` is no
+    URL a client can parse."""
+
+    async def test_webSocketDebuggerUrl_on_an_ipv6_listener_without_host(
+        self, tmp_path: Any
+    ) -> None:
+        async with RecordingUpstream() as upstream:
+            chromium_like(upstream)
+            path = write_policy(tmp_path / "policies.yaml", policy(upstream))
+            app = create_app(
+                Settings(
+                    _env_file=None,
+                    database_url=f"sqlite:///{tmp_path}/gw.db",
+                    policies=str(path),
+                    instance_id="test-1",
+                    sweep_interval_s=0.1,
+                ),
+                load_policies(path, None),
+                None,
+            )
+            server = TestServer(app, host="::1")
+            await server.start_server()
+            port = server.port
+            try:
+                reader, writer = await asyncio.open_connection("::1", port)
+                writer.write(b"GET /cdp/json/version HTTP/1.0\r\n\r\n")  # HTTP/1.0: no Host
+                await writer.drain()
+                raw = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+            finally:
+                await server.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
+        url = json.loads(body)["webSocketDebuggerUrl"]
+        parts = urlsplit(url)
+        assert (parts.hostname, parts.port) == ("::1", port), url
