@@ -48,6 +48,12 @@ async def raise_matching(request: web.Request) -> web.Response:
 async def raise_one(request: web.Request) -> web.Response:
     params.only(request, ())
     resource = request.match_info["resource"]
+    if resource == "raise":
+        # the concrete path /_gateway/v1/fences/raise is matched before the templated one
+        # (OpenAPI 3.1 "Paths"): the document gives it POST alone
+        raise errors.MethodNotAllowed(
+            "/_gateway/v1/fences/raise takes POST, not PUT", headers={"Allow": "POST"}
+        )
     request[appkeys.FLOW] = Flow(request[appkeys.REQUEST_ID], resource=resource)
     headers.check_resource(resource)
     body = await params.json_body(request, {"at_least": int}, ("at_least",))

@@ -24,6 +24,8 @@ from gateway.core.times import rfc3339
 from gateway.observe import logs
 from gateway.proxy import appkeys, headers
 from gateway.proxy.flow import Flow
+from gateway.upkeep import sweeper
+from gateway.upkeep.cleanup import Cleaner
 
 _NUMBER = (int, float)
 
@@ -136,6 +138,10 @@ async def revoke(app: web.Application, resource: str, client: str | None) -> Non
     `DELETE ?force=true` and the console's revoke button both come here. The resource must be
     one a rule issues leases for (`lease_rule`)."""
     lease_rule(app, resource)
+    # a lease past its expiry owes its on_expiry cleanup (§9) whether or not the sweeper has
+    # marked it yet: marked as the sweeper would, the revoke frees it (`free`), where it
+    # released it as a live one and its cleanup was never owed
+    await sweeper.expire_leases(app, Cleaner(app))
     released = await app[appkeys.STORE].release(resource, None, None)
     _held(app, released.held_seconds)
     logs.event("lease_revoked", resource=resource, client=client, action=released.action)

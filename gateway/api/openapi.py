@@ -44,6 +44,7 @@ _GLOB_SEGMENT = (
 GLOB_PATTERN = rf"^{_GLOB_SEGMENT}(?:/{_GLOB_SEGMENT})*$"
 OWNER_PATTERN = r"^[A-Za-z0-9._\-:@/]{1,128}$"
 CLIENT_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
+NO_NUL = {"type": "string", "pattern": r"^[^\x00]*$"}  # gateway.api.params.only
 
 _TIME = {"type": ["string", "null"], "format": "date-time"}
 _RESOURCE = {
@@ -400,7 +401,7 @@ def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
                 "List leases",
                 {"200": _answer("A page of leases", _page_of("Lease"))},
                 [
-                    _query("prefix", {"type": "string"}),
+                    _query("prefix", NO_NUL),
                     _query("state", {"type": "string", "enum": list(LEASE_STATES)}),
                     *_PAGING,
                 ],
@@ -438,9 +439,9 @@ def _paths(ttl_s: dict[str, Any]) -> dict[str, Any]:
                 "List receipts, oldest first",
                 {"200": receipts_page},
                 [
-                    *(_query(n, {"type": "string"}) for n in ("resource", "owner")),
+                    *(_query(n, NO_NUL) for n in ("resource", "owner")),
                     _query("status", {"type": "string", "enum": list(RECEIPT_STATUSES)}),
-                    _query("idempotency_key", {"type": "string"}),
+                    _query("idempotency_key", NO_NUL),
                     *(
                         _query(n, {"type": "integer", "minimum": 0, "maximum": grammar.MAX_FENCE})
                         for n in ("fence_min", "fence_max")

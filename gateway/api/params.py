@@ -29,6 +29,8 @@ def only(request: web.Request, allowed: Iterable[str]) -> dict[str, str]:
             raise errors.InvalidRequest(f"unknown parameter {name!r}; known: {sorted(allowed)}")
         if name in params:
             raise errors.InvalidRequest(f"parameter {name!r} was given twice")
+        if "\x00" in value:  # no key, name or id holds one; PostgreSQL text cannot
+            raise errors.InvalidRequest(f"parameter {name!r} holds a NUL character")
         params[name] = value
     return params
 

@@ -38,11 +38,8 @@ HEARTBEATS_PER_INTERVAL = 2
 
 async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> None:
     settings, store = app[appkeys.SETTINGS], app[appkeys.STORE]
-    metrics = app[appkeys.METRICS]
     cleaner = cleaner or Cleaner(app)
-    for lease in await store.expire_leases(cleaner.owed_after):
-        metrics.held.observe(max(0.0, lease.expires_at - lease.acquired_at))
-        logs.event("lease_expired", resource=lease.resource, fence=lease.fence, owner=lease.owner)
+    await expire_leases(app, cleaner)
     in_flight_here: set[str] = app[appkeys.IN_FLIGHT]
     in_flight = frozenset(in_flight_here)
     lost = await store.expire_pending(
@@ -52,6 +49,15 @@ async def sweep_once(app: web.Application, cleaner: Cleaner | None = None) -> No
     await store.prune(settings.receipt_retention_s)
     await store.prune_checkpoints()  # docs/contract.md §17: the last one is always kept
     await cleaner.start_due()
+
+
+async def expire_leases(app: web.Application, cleaner: Cleaner) -> None:
+    """Mark the leases past their expiry expired, each owing its `on_expiry` cleanup
+    (docs/contract.md §9): the sweep's first step, and a revoke's (`gateway.api.leases`)."""
+    metrics = app[appkeys.METRICS]
+    for lease in await app[appkeys.STORE].expire_leases(cleaner.owed_after):
+        metrics.held.observe(max(0.0, lease.expires_at - lease.acquired_at))
+        logs.event("lease_expired", resource=lease.resource, fence=lease.fence, owner=lease.owner)
 
 
 def count_lost(app: web.Application, lost: dict[str, int]) -> None:
