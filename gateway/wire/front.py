@@ -193,6 +193,8 @@ class Front(asyncio.Protocol):
         self._wake_writer()
         if self._lent is not None:
             self._lent.resume_writing()
+        elif self._idle_between_requests():
+            self._next()  # a whole head waited for the client to read what it was sent
 
     # -- what Reply and the server use --------------------------------------------------------
 
@@ -244,6 +246,12 @@ class Front(asyncio.Protocol):
                 self._set_timer(self._header_timeout_s)  # the first bytes of a head
             return
         self._cancel_timer()
+        if self.writing_paused and not its_turn:
+            # the client does not read what it was sent: its next request waits until it
+            # does (`resume_writing`), as aiohttp's drain before the next request made it
+            if len(buffer) > _HIGH_WATER:
+                self._pause_reading()
+            return
         backlog = self._backlog
         if backlog is not None and not its_turn and (self._queued or backlog.holds()):
             if not self._queued:
@@ -281,6 +289,19 @@ class Front(asyncio.Protocol):
             self._calling.add_done_callback(self._answered)
         else:
             self._lend(head_end, length)
+
+    def _idle_between_requests(self) -> bool:
+        """Nothing in progress on the open connection: no call, nothing lent, no shed pause,
+        no turn awaited in the backlog, no close under way."""
+        return (
+            self._transport is not None
+            and not self._closing
+            and not self._transport.is_closing()
+            and self._calling is None
+            and self._lent is None
+            and self._shed_pause is None
+            and not self._queued
+        )
 
     def _its_turn(self) -> None:
         """The backlog's turn for this connection's head (gateway.wire.backlog)."""
@@ -504,5 +525,9 @@ class Front(asyncio.Protocol):
 
     def _close(self) -> None:
         self._cancel_timer()
+        if self._shed_pause is not None:
+            # a shed call's pause ends in no next request: the connection is closing (it
+            # stays open until what was written is, and the pause may end before that)
+            self._shed_pause.cancel()
         if self._transport is not None:
             self._transport.close()
