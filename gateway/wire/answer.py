@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict
 
-from gateway.wire.errors import BrokenAnswer, ProtocolError, ReadError
+from gateway.wire.errors import BrokenAnswer, HandshakeRefused, ProtocolError, ReadError
 
 if TYPE_CHECKING:
     from gateway.wire.connection import Connection
@@ -59,7 +59,7 @@ class Answer:
         self.keep_alive = False  # the tool keeps the connection open after it
         self.leftover = False  # bytes came after the end: the connection is spoiled
         self._until_close = False  # the body ends when the connection does
-        self._error: BrokenAnswer | None = None
+        self._error: BrokenAnswer | HandshakeRefused | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -112,7 +112,16 @@ class Answer:
         else:
             self._fail(error)
 
-    def _fail(self, error: BrokenAnswer) -> None:
+    @property
+    def heard(self) -> bool:
+        """Some byte of an answer arrived."""
+        return self._head_bytes > 0
+
+    def refused(self, error: HandshakeRefused) -> None:
+        """The peer's TLS layer refused the connection before it passed anything on."""
+        self._fail(error)
+
+    def _fail(self, error: BrokenAnswer | HandshakeRefused) -> None:
         if self._error is None:
             self._error = error
         self._wake()

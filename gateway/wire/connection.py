@@ -11,10 +11,19 @@ answer of the next call.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import select
+import ssl
+import sys
+import termios
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 from gateway.wire.answer import Answer
+from gateway.wire.errors import HandshakeRefused
+
+# an end the tool did not signal: no FIN, or over TLS no close_notify before it
+_TRUNCATED = ConnectionResetError("the connection ended without the tool ending it")
 
 
 class Owner(Protocol):
@@ -37,6 +46,8 @@ class Connection(asyncio.Protocol):
         self._writing_paused = False
         self._reading_paused = False
         self.idle_since = 0.0
+        self._fresh = True  # no exchange has ended on it yet: its handshake may yet be refused
+        self._pending = select.poll()  # its socket, once made: what `quiet` asks
         self.loop: asyncio.AbstractEventLoop  # set when the connection is made
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -46,6 +57,9 @@ class Connection(asyncio.Protocol):
         # its answers' waits make their futures here: asking asyncio for the running loop
         # makes a getpid() system call each time
         self.loop = asyncio.get_running_loop()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._pending.register(sock.fileno(), select.POLLIN | select.POLLPRI)
 
     def data_received(self, data: bytes) -> None:
         answer = self._answer
@@ -59,12 +73,35 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._peer_done = True
         if self._answer is not None:
-            self._answer.connection_ended(None)
+            self._answer.connection_ended(None if self._ended_cleanly() else _TRUNCATED)
         return False  # close our side too
+
+    def _ended_cleanly(self) -> bool:
+        """Over TLS, whether the end came with the tool's close_notify: a bare TCP FIN
+        (asyncio's and uvloop's TLS transports report it as an end all the same) may have
+        cut what ends at the close. After close_notify a read says so (b"" or
+        SSLZeroReturnError); without it, there is nothing to read yet (SSLWantReadError)."""
+        transport = self._transport
+        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+        if ssl_object is None:
+            return True
+        try:
+            rest: bytes = ssl_object.read(1)
+        except ssl.SSLZeroReturnError:
+            return True
+        except (ssl.SSLError, OSError, ValueError):
+            return False
+        return rest == b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         if self._answer is not None:
+            if exc is None and not self._peer_done:
+                # no end from the tool came first: uvloop's TLS transport ends this way on
+                # a bare TCP FIN, without close_notify (asyncio's calls eof_received)
+                exc = _TRUNCATED
+            if self._fresh and not self._answer.heard and _handshake_alert(exc):
+                self._answer.refused(HandshakeRefused(f"the tool refused the TLS handshake: {exc}"))
             self._answer.connection_ended(exc)
         self._owner.forget(self)
 
@@ -87,6 +124,14 @@ class Connection(asyncio.Protocol):
             and not transport.is_closing()
         )
 
+    @property
+    def quiet(self) -> bool:
+        """Nothing waits in the socket that the loop has not read yet: no byte, no close.
+        A busy loop may not have read what the tool sent an idle connection when it is taken
+        again; found only after the next call is written, those bytes would be read as its
+        answer, and a close would break it (outcome unknown, for a call the tool never saw)."""
+        return not self._pending.poll(0)
+
     def start(self, answer: Answer, payload: Sequence[bytes]) -> None:
         """Write the whole request in one call, and read `answer` from here on."""
         transport = self._transport
@@ -99,6 +144,7 @@ class Connection(asyncio.Protocol):
         """The exchange is over: reusable only when it ended cleanly and nothing of the
         request is left to write (a tool that answered before reading the whole body)."""
         self._answer = None
+        self._fresh = False
         transport = self._transport
         reusable = (
             answer.clean
@@ -106,6 +152,7 @@ class Connection(asyncio.Protocol):
             and transport is not None
             and not self._writing_paused
             and transport.get_write_buffer_size() == 0
+            and _tls_all_sent(transport)
         )
         if reusable:
             self.resume_reading()
@@ -133,3 +180,40 @@ class Connection(asyncio.Protocol):
             self._answer.connection_ended(ConnectionAbortedError("closed by the gateway"))
         if self._transport is not None:
             self._transport.abort()
+
+
+def _tls_all_sent(transport: asyncio.Transport) -> bool:
+    """Over TLS, whether the tool's host has every byte written: asyncio's and uvloop's TLS
+    transports count in their write buffer size only what is not yet encrypted, not what the
+    TCP transport under them still holds (a body the tool stopped reading when it answered
+    early). The socket's send queue (bytes the peer has not acknowledged) says it for both;
+    an answer sent after the whole request was read acknowledges all of it."""
+    if transport.get_extra_info("ssl_object") is None:
+        return True  # plain TCP: its write buffer size is the whole of it
+    sock = transport.get_extra_info("socket")
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (AttributeError, OSError, ValueError):
+        return False
+    return int.from_bytes(queued, sys.byteorder) == 0
+
+
+# The alerts a TLS server sends when it refuses the client's side of the handshake (its
+# certificate, or the handshake as a whole): sent before it reads any application data.
+_REFUSALS = (
+    "ALERT_CERTIFICATE_REQUIRED",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_CERTIFICATE_EXPIRED",
+    "ALERT_CERTIFICATE_REVOKED",
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_UNSUPPORTED_CERTIFICATE",
+    "ALERT_ACCESS_DENIED",
+    "ALERT_HANDSHAKE_FAILURE",
+    "ALERT_DECRYPT_ERROR",
+)
+
+
+def _handshake_alert(exc: BaseException | None) -> bool:
+    reason = getattr(exc, "reason", None) if isinstance(exc, ssl.SSLError) else None
+    return isinstance(reason, str) and reason.endswith(_REFUSALS)

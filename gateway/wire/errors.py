@@ -3,6 +3,7 @@
     WireError
     ├── NotSent            nothing of the request left this process: it may be tried anew
     │   ├── ConnectError   no connection: refused, no such host, TLS handshake, no free slot
+    │   │   └── HandshakeRefused  the peer's TLS alert ended the handshake after our write
     │   ├── Unencodable    the request head cannot be written as HTTP/1.1
     │   └── Withdrawn      the last check before the write said no
     └── MaybeSent          the request was written: the peer may have acted on it
@@ -28,6 +29,12 @@ class NotSent(WireError):
 
 class ConnectError(NotSent):
     """No connection to the peer could be had (including a connect or pool timeout)."""
+
+
+class HandshakeRefused(ConnectError):
+    """The peer's TLS layer refused the handshake (TLS 1.3 checks the client certificate
+    after the client's side is done, so the alert may come after the request was written):
+    it passed nothing of the request on."""
 
 
 class Unencodable(NotSent):

@@ -137,7 +137,7 @@ class Pool:
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
-            if handed is not None and handed.usable:
+            if handed is not None and handed.usable and handed.quiet:
                 return handed
             if handed is not None:  # closed by the tool on its way here: nothing was sent
                 self.release(handed, reusable=False)
@@ -146,9 +146,9 @@ class Pool:
     def _take_idle(self, now: float) -> Connection | None:
         while self._idle:
             connection = self._idle.pop()
-            if connection.usable and now - connection.idle_since < KEEPALIVE_S:
+            if connection.usable and now - connection.idle_since < KEEPALIVE_S and connection.quiet:
                 return connection
-            connection.abort()  # closed by the tool while idle, or idle too long
+            connection.abort()  # closed by the tool while idle, bytes from it, or idle too long
             self.forget(connection)
         return None
 
