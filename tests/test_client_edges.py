@@ -228,3 +228,64 @@ class TestCheckpointRetry:
 
         await asyncio.to_thread(run)
         assert fake.of("PUT", path)[1:] == [], "a checkpoint was sent after the local deadline"
+
+
+# -- a renewal answered 408 or 429 -----------------------------------------------------------
+
+
+class TestTransientRefusals:
+    """408 (the request came too slowly: the gateway's body timeout) and 429 (too many
+    requests: a proxy on the way) say nothing about the lease: a renewal so answered is
+    tried again, as after a 503, and the lease is lost only at its deadline. (They were
+    taken for the gateway saying the lease is gone: lost at once, and no release sent.)"""
+
+    @pytest.mark.parametrize("status", [408, 429])
+    async def test_aio_a_renewal_answered_so_is_tried_again(
+        self, fake: FakeGateway, status: int
+    ) -> None:
+        async with GatewayClient(fake.url) as gw:
+            async with gw.lease(RESOURCE, owner="run-1", ttl_s=0.9) as lease:
+                fake.renew_status = status
+                await asyncio.sleep(0.45)  # a renewal or two answered `status`
+                assert fake.of("PUT", LEASE_PATH)
+                assert not lease.lost, lease.lost_reason
+                fake.renew_status = None
+                await asyncio.sleep(0.6)  # past the first deadline: renewed meanwhile
+                assert not lease.lost, lease.lost_reason
+            assert len(fake.of("DELETE", LEASE_PATH)) == 1
+
+    @pytest.mark.parametrize("status", [408, 429])
+    async def test_sync_a_renewal_answered_so_is_tried_again(
+        self, fake: FakeGateway, status: int
+    ) -> None:
+        def run() -> tuple[bool, str | None]:
+            with SyncGatewayClient(fake.url) as gw, gw.lease(RESOURCE, "run-1", 0.9) as lease:
+                fake.renew_status = status
+                time.sleep(0.45)
+                assert fake.of("PUT", LEASE_PATH)
+                first = lease.lost
+                fake.renew_status = None
+                time.sleep(0.6)
+                return first or lease.lost, lease.lost_reason
+
+        lost, reason = await asyncio.to_thread(run)
+        assert not lost, reason
+        assert len(fake.of("DELETE", LEASE_PATH)) == 1
+
+
+async def test_a_lease_whose_client_is_closed_is_lost_and_its_renewal_ends(
+    fake: FakeGateway,
+) -> None:
+    """Closing the client under a held lease: the next renewal finds the session closed,
+    and the lease says it is lost (its renewal task ended with an unhandled RuntimeError,
+    and the lease went on saying it was held until its deadline)."""
+    gw = GatewayClient(fake.url)
+    lease = gw.lease(RESOURCE, owner="run-1", ttl_s=3)
+    await lease.acquire()
+    renewer = lease._renewer
+    await gw.close()
+    assert renewer is not None
+    await asyncio.wait_for(asyncio.shield(renewer), 5)  # ends, and raises nothing
+    assert lease.lost and lease.lost_reason == "the client was closed"
+    with pytest.raises(LeaseLost):
+        await lease.post("/tool/send")

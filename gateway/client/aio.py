@@ -346,6 +346,12 @@ class Lease(LeaseState):
                 return
             except (GatewayError, *TRANSPORT_ERRORS):
                 delay = self._next_renewal(failed=True)
+            except RuntimeError:
+                if not self._client.session.closed:
+                    raise
+                # the client was closed under a held lease: nothing can renew it now
+                self._lost_reason = "the client was closed"
+                return
 
     async def release(self) -> None:
         """Stop renewing and release, best effort: expiry is the real recovery path."""

@@ -40,9 +40,13 @@ class GatewayError(Exception):
 
     @property
     def is_refusal(self) -> bool:
-        """A definite answer (a 4xx, or raised locally): sending it again cannot help; a 5xx
-        (the store unavailable, the gateway draining) may pass on a later try."""
-        return self.status is None or self.status < 500
+        """A definite answer (a 4xx, or raised locally): sending it again cannot help. A 5xx
+        (the store unavailable, the gateway draining), a 408 (the request came too slowly)
+        and a 429 (too many requests, from a proxy on the way) may pass on a later try."""
+        return self.status is None or (self.status < 500 and self.status not in _TRANSIENT)
+
+
+_TRANSIENT = frozenset({408, 429})
 
 
 class LeaseHeld(GatewayError):
