@@ -359,7 +359,8 @@ class Store(Protocol):
         ...
 
     async def mark_incomplete(self, receipt_id: str) -> None:
-        """The answer's body broke after its outcome was recorded: nothing is replayable."""
+        """The answer's body broke after its outcome was recorded: nothing is replayable. A
+        reconciled receipt keeps its `late_outcome` (docs/contract.md §3)."""
         ...
 
     # sessions (§15)

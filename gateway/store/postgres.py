@@ -961,7 +961,8 @@ class PostgresStore:
         await self._run(
             lambda conn: conn.execute(
                 "UPDATE receipts SET error = 'response_incomplete', replayable = false, "
-                "response_headers = NULL, response_body = NULL WHERE id = $1",
+                "response_headers = NULL, response_body = NULL "
+                "WHERE id = $1 AND status <> 'reconciled'",
                 receipt_id,
             ),
             writes=True,

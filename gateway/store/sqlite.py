@@ -558,7 +558,8 @@ class SqliteStore:
         await self._write(
             lambda conn: conn.execute(
                 "UPDATE receipts SET error = 'response_incomplete', replayable = 0, "
-                "response_headers = NULL, response_body = NULL WHERE id = ?",
+                "response_headers = NULL, response_body = NULL "
+                "WHERE id = ? AND status <> 'reconciled'",
                 (receipt_id,),
             )
         )

@@ -152,6 +152,10 @@ class TestOutcomes:
         assert await store.complete(admitted.receipt_id, ok()) == "late_outcome"
         receipt = await store.get_receipt(admitted.receipt_id)
         assert (receipt.status, receipt.error) == ("reconciled", "late_outcome")
+        # the late answer then breaks on its way to the client: the marker stays
+        await store.mark_incomplete(admitted.receipt_id)
+        receipt = await store.get_receipt(admitted.receipt_id)
+        assert (receipt.status, receipt.error) == ("reconciled", "late_outcome")
 
     async def test_in_flight_receipts_are_not_lost(self, store) -> None:
         admitted = await store.admit(call(1))

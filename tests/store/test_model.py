@@ -122,6 +122,10 @@ RUN_VIEW_WAITS = ReconcileWaits({"tool": 10.0}, default=1e6)
 # ------------------------------------------------------------------------------------------
 
 
+# the receipts an answer may break for: answered, or reconciled before a late answer
+_ANSWERED = ("succeeded", "failed", "reconciled")
+
+
 @dataclass
 class MLease:
     resource: str
@@ -516,7 +520,8 @@ class Model:
 
     def mark_incomplete(self, receipt_id: str) -> None:
         receipt = self.receipts[receipt_id]
-        receipt.error, receipt.answer = "response_incomplete", None
+        if receipt.status != "reconciled":  # its late outcome's marker stays
+            receipt.error, receipt.answer = "response_incomplete", None
 
     def resolve(
         self, receipt_id: str, outcome: str, source: str, note: str | None, wait: float
@@ -938,15 +943,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.run(self.store.mark_forwarded(receipt_id))
         self.model.mark_forwarded(receipt_id)
 
-    @precondition(
-        lambda self: any(r.status in ("succeeded", "failed") for r in self.model.receipts.values())
-    )
+    @precondition(lambda self: any(r.status in _ANSWERED for r in self.model.receipts.values()))
     @rule(data=st.data())
     def mark_incomplete(self, data: st.DataObject) -> None:
-        """The answer's body broke after its outcome was recorded."""
-        answered = sorted(
-            i for i, r in self.model.receipts.items() if r.status in ("succeeded", "failed")
-        )
+        """The answer's body broke after its outcome was recorded (a late one, too)."""
+        answered = sorted(i for i, r in self.model.receipts.items() if r.status in _ANSWERED)
         receipt_id = data.draw(st.sampled_from(answered), label="receipt")
         self.run(self.store.mark_incomplete(receipt_id))
         self.model.mark_incomplete(receipt_id)
