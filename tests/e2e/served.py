@@ -30,6 +30,7 @@ class Served:
     requests_made: list[int]
     # of them, those aiohttp handled (a request object built)
     by_aiohttp: list[int]
+    server: GatewayServer  # its connections: the fronts, and those handed to aiohttp
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection("127.0.0.1", self.port)
@@ -75,7 +76,14 @@ async def served(
     await site.start()
     port = runner.addresses[0][1]
     try:
-        yield Served(f"http://127.0.0.1:{port}", port, app, made, by_aiohttp)
+        yield Served(
+            f"http://127.0.0.1:{port}",
+            port,
+            app,
+            made,
+            by_aiohttp,
+            cast(GatewayServer, runner.server),
+        )
     finally:
         await runner.cleanup()
 

@@ -5,51 +5,19 @@ connection closed during a shed call's pause serves nothing more."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from aiohttp import web
-
-from gateway.config.policy_files import load_policies
-from gateway.config.settings import Settings
-from gateway.server.app import create_app
-from gateway.server.http_server import GatewayRunner, GatewayServer
+from gateway.server.http_server import GatewayServer
 from gateway.wire.front import Front
-from tests.harness import RecordingUpstream, make_policy, write_policy
+from tests.e2e.served import served
+from tests.harness import RecordingUpstream, make_policy
 from tests.wire.test_front import Start, start  # `start` is a fixture
 
 __all__ = ["start"]
 
 WAIT = 10.0
-
-
-@contextlib.asynccontextmanager
-async def gateway(
-    tmp_path: Path, policy: dict[str, Any], **settings_: Any
-) -> AsyncIterator[tuple[int, GatewayServer]]:
-    """The gateway's HTTP server in this process as `fence-gateway serve` runs it (the
-    front, aiohttp's protocol behind it): its port and its server (whose connections are
-    the fronts)."""
-    policy_path = write_policy(tmp_path / "policies.yaml", policy)
-    settings = Settings(
-        _env_file=None,
-        database_url=f"sqlite:///{tmp_path}/gw.db",
-        policies=str(policy_path),
-        instance_id="test-1",
-        **settings_,
-    )
-    app = create_app(settings, load_policies(policy_path))
-    runner = GatewayRunner(app, header_timeout_s=10, handler_cancellation=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield runner.addresses[0][1], cast(GatewayServer, runner.server)
-    finally:
-        await runner.cleanup()
 
 
 async def eventually(check: Any, within: float = WAIT) -> None:
@@ -71,7 +39,8 @@ async def test_refusals_pipelined_to_a_client_that_does_not_read_wait_for_it(
     write_eof draining); the front wrote each refusal and went on to the next request, and
     the gateway's write buffer grew with every request the client sent (MBs here, without
     bound in general)."""
-    async with gateway(tmp_path, make_policy(upstream.url, [{"match": "job/*"}])) as (port, server):
+    async with served(tmp_path, make_policy(upstream.url, [{"match": "job/*"}])) as gateway:
+        port, server = gateway.port, gateway.server
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)

@@ -83,6 +83,28 @@ def thread_tool() -> Iterator[Callable[[Callable[[socket.socket, int], None]], T
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
+def _tls_pool(port: int, authority: Authority, limit: int) -> Pool:
+    """A pool to the tool at `port`, which `authority` certified."""
+    context = ssl_context_for(Tls(ca_file=str(authority.cert)))
+    return Pool(
+        "127.0.0.1",
+        port,
+        limit=limit,
+        connect_timeout_s=2,
+        tls=context,
+        server_hostname="127.0.0.1",
+    )
+
+
+def _tls_accept(served: ssl.SSLContext, raw: socket.socket) -> ssl.SSLSocket | None:
+    """The tool's side of a TLS connection; None (closed) when the handshake fails."""
+    try:
+        return served.wrap_socket(raw, server_side=True)
+    except (OSError, ssl.SSLError):
+        raw.close()
+        return None
+
+
 async def test_stale_bytes_not_yet_read_on_an_idle_connection_are_not_the_next_answer(
     thread_tool,
 ) -> None:
@@ -157,10 +179,8 @@ async def test_a_close_delimited_body_cut_without_close_notify_is_broken_over_tl
     served = server_context(authority.issue("tool"))
 
     def serve(raw: socket.socket, number: int) -> None:
-        try:
-            conn = served.wrap_socket(raw, server_side=True)
-        except (OSError, ssl.SSLError):
-            raw.close()
+        conn = _tls_accept(served, raw)
+        if conn is None:
             return
         with conn:
             if tool.read_request(conn, number) is not None:
@@ -171,15 +191,7 @@ async def test_a_close_delimited_body_cut_without_close_notify_is_broken_over_tl
                 time.sleep(0.5)
 
     tool = thread_tool(serve)
-    context = ssl_context_for(Tls(ca_file=str(authority.cert)))
-    pool = Pool(
-        "127.0.0.1",
-        tool.port,
-        limit=1,
-        connect_timeout_s=2,
-        tls=context,
-        server_hostname="127.0.0.1",
-    )
+    pool = _tls_pool(tool.port, authority, limit=1)
     try:
         deadline = asyncio.get_running_loop().time() + 5
         async with await pool.send(
@@ -208,10 +220,8 @@ async def test_a_tls_connection_with_request_bytes_still_unsent_is_not_reused(
     done = threading.Event()
 
     def serve(raw: socket.socket, number: int) -> None:
-        try:
-            conn = served.wrap_socket(raw, server_side=True)
-        except (OSError, ssl.SSLError):
-            raw.close()
+        conn = _tls_accept(served, raw)
+        if conn is None:
             return
         with conn:
             while tool.read_request(conn, number) is not None:
@@ -221,15 +231,7 @@ async def test_a_tls_connection_with_request_bytes_still_unsent_is_not_reused(
                     return
 
     tool = thread_tool(serve)
-    context = ssl_context_for(Tls(ca_file=str(authority.cert)))
-    pool = Pool(
-        "127.0.0.1",
-        tool.port,
-        limit=4,
-        connect_timeout_s=2,
-        tls=context,
-        server_hostname="127.0.0.1",
-    )
+    pool = _tls_pool(tool.port, authority, limit=4)
     loop = asyncio.get_running_loop()
     headers = CIMultiDict(Host="tool")
     try:
