@@ -99,7 +99,7 @@ async def reconciliation(request: web.Request) -> web.Response:
     )
 
 
-def _receipt_id(request: web.Request) -> str:
+def receipt_id_of(request: web.Request) -> str:
     """The id in the path; no receipt id holds a NUL (which PostgreSQL text cannot)."""
     receipt_id = request.match_info["id"]
     if "\x00" in receipt_id:
@@ -110,7 +110,7 @@ def _receipt_id(request: web.Request) -> str:
 @routes.get("/_gateway/v1/receipts/{id}")
 async def get_receipt(request: web.Request) -> web.Response:
     params.only(request, ())
-    receipt_id = _receipt_id(request)
+    receipt_id = receipt_id_of(request)
     receipt = await request.app[appkeys.STORE].get_receipt(receipt_id)
     if receipt is None:
         raise errors.NotFound(f"no receipt {receipt_id!r}")
@@ -128,7 +128,7 @@ async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
 async def resolve(request: web.Request) -> web.Response:
     """A person or a reconciler service says what became of an `outcome_unknown` call."""
     params.only(request, ())
-    receipt_id = _receipt_id(request)
+    receipt_id = receipt_id_of(request)
     body = await params.json_body(request, _RESOLVE_FIELDS, ("outcome", "source"))
     receipt = await resolve_receipt(
         request.app, receipt_id, body["outcome"], body["source"], body.get("note")
@@ -166,6 +166,6 @@ def checked_resolution(
 async def probe_receipt(request: web.Request) -> web.Response:
     """Run the policy's probe: the tool's own record resolves the receipt when it is clear."""
     params.only(request, ())
-    receipt_id = _receipt_id(request)
+    receipt_id = receipt_id_of(request)
     await params.json_body(request, {}, ())  # no body, or an empty JSON object
     return web.json_response(await reconcile.probe(request.app, receipt_id))

@@ -28,27 +28,30 @@ def _client(visit: Visit) -> str | None:
     return None if visit.viewer.open_mode else visit.viewer.name
 
 
-def _back(visit: Visit, default: str) -> web.Response:
-    return render.redirect(paths.back_to(visit.field("back", required=False), default))
+def _back(visit: Visit, default: str) -> str:
+    """Where the form sends the browser back: read, and a bad field refused (`400`), before
+    anything is changed."""
+    return paths.back_to(visit.field("back", required=False), default)
 
 
-def _refused(visit: Visit, error: errors.GatewayError, default: str) -> web.Response:
+def _refused(visit: Visit, error: errors.GatewayError, back: str) -> web.Response:
     if error.status >= 500:
         raise error
     visit.flash("refused", f"{error.title}: {error.detail}")
-    return _back(visit, default)
+    return render.redirect(back)
 
 
 async def resolve(visit: Visit) -> web.Response:
-    receipt_id = visit.request.match_info["id"]
     outcome = visit.field("outcome")
     source = visit.field("source")
     note = visit.field("note", required=False) or None  # an empty box is no note
+    back = _back(visit, paths.QUEUE)
     assert outcome is not None and source is not None  # required fields
     try:
+        receipt_id = receipt_api.receipt_id_of(visit.request)
         receipt = await receipt_api.resolve_receipt(visit.app, receipt_id, outcome, source, note)
     except errors.GatewayError as error:
-        return _refused(visit, error, paths.QUEUE)
+        return _refused(visit, error, back)
     logs.event(
         "console_action",
         logging.INFO,
@@ -60,15 +63,16 @@ async def resolve(visit: Visit) -> web.Response:
         source=source,
     )
     visit.flash("done", f"receipt {receipt.id} on {receipt.resource} resolved {outcome}")
-    return _back(visit, paths.QUEUE)
+    return render.redirect(back)
 
 
 async def probe(visit: Visit) -> web.Response:
-    receipt_id = visit.request.match_info["id"]
+    back = _back(visit, paths.QUEUE)
     try:
+        receipt_id = receipt_api.receipt_id_of(visit.request)
         answer = await reconcile.probe(visit.app, receipt_id)
     except errors.GatewayError as error:
-        return _refused(visit, error, paths.QUEUE)
+        return _refused(visit, error, back)
     asked = answer.get("probe")
     logs.event(
         "console_action",
@@ -88,16 +92,17 @@ async def probe(visit: Visit) -> web.Response:
             f"the probe for {receipt_id} {said}: the outcome is still unknown, decide it from "
             "the tool's own records",
         )
-    return _back(visit, paths.QUEUE)
+    return render.redirect(back)
 
 
 async def revoke(visit: Visit) -> web.Response:
     resource = visit.field("resource")
+    back = _back(visit, paths.LEASES)
     assert resource is not None
     try:
         await lease_api.revoke(visit.app, resource, _client(visit))
     except errors.GatewayError as error:
-        return _refused(visit, error, paths.LEASES)
+        return _refused(visit, error, back)
     logs.event("console_action", action="revoke", client=_client(visit), resource=resource)
     visit.flash("done", f"the lease on {resource} is revoked: the next acquire gets a new fence")
-    return _back(visit, paths.LEASES)
+    return render.redirect(back)

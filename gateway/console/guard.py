@@ -79,6 +79,10 @@ class Visit:
             return None
         if not isinstance(values[0], str):
             raise errors.InvalidRequest(f"the form field {name!r} must be text, not a file")
+        try:  # a charset such as unicode_escape can decode to a lone surrogate: no text
+            values[0].encode("utf-8")
+        except UnicodeEncodeError:
+            raise errors.InvalidRequest(f"the form field {name!r} is not Unicode text") from None
         return values[0]
 
     def page(self, template: str, status: int = 200, **context: Any) -> web.Response:
@@ -104,6 +108,7 @@ class Endpoint:
     post: Handler | None = None
     need: Need = "read"
     csrf: bool = True  # False only where a POST changes nothing (the "no such page" answer)
+    other: Handler | None = None  # any other method (the "no such page" answer: 404, not 405)
 
     @property
     def allowed(self) -> list[str]:
@@ -140,6 +145,7 @@ async def _answer(endpoint: Endpoint, visit: Visit) -> web.Response:
     request = visit.request
     method = "GET" if request.method == "HEAD" else request.method
     handler = endpoint.get if method == "GET" else endpoint.post if method == "POST" else None
+    handler = handler or endpoint.other
     _who(visit)
     if handler is None:
         allowed = endpoint.allowed

@@ -24,7 +24,11 @@ ENDPOINTS: dict[str, Endpoint] = {
     f"{PREFIX}/signout": Endpoint(post=signin.sign_out, need="nothing"),
     f"{PREFIX}/static/{{name}}": Endpoint(get=pages.static, need="nothing"),
     f"{PREFIX}/{{tail:.*}}": Endpoint(
-        get=pages.not_found, post=pages.not_found, need="nothing", csrf=False
+        get=pages.not_found,
+        post=pages.not_found,
+        other=pages.not_found,
+        need="nothing",
+        csrf=False,
     ),
 }
 
