@@ -102,6 +102,8 @@ def _settings(workers: int | None = None) -> Settings:
         return Settings() if workers is None else Settings(workers=workers)
     except ValidationError as exc:
         error = exc.errors()[0]
+        if not error["loc"]:  # a check across settings: its message names them
+            raise _Abort(error["msg"].removeprefix("Value error, ")) from None
         name = "GATEWAY_" + "_".join(str(p) for p in error["loc"]).upper()
         raise _Abort(f"{name}: {error['msg']}") from None
 

@@ -18,6 +18,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ from gateway.core.times import parse_rfc3339
 DEFAULT_URL = "http://127.0.0.1:8080"
 API = "/_gateway/v1"
 EXIT_FAILED = 1
+EXIT_CONFIG = 2
 TIMEOUT_S = 30.0
 MAX_LIMIT = 1000
 RECEIPT_STATUSES = (
@@ -51,8 +53,19 @@ _Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)
 
 
 def _url(value: str) -> str:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is no number in range
+        (parts.hostname or "").encode("idna")  # an empty or overlong label: UnicodeError
+    except (ValueError, UnicodeError):
+        parts = None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+    ):
         raise argparse.ArgumentTypeError(f"{value!r} is not a gateway URL like {DEFAULT_URL}")
     return value.rstrip("/")
 
@@ -156,7 +169,11 @@ def _add_paging(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    api = Api(args.url, os.environ.get("GATEWAY_KEY") or None)
+    key = os.environ.get("GATEWAY_KEY") or None
+    if key is not None and not re.fullmatch(r"[\x21-\x7e]{1,255}", key):
+        _error("GATEWAY_KEY: a key is 1 to 255 visible ASCII characters (no space or line end)")
+        return EXIT_CONFIG
+    api = Api(args.url, key)
     handler: Callable[[Api, argparse.Namespace], int] = args.handler  # set by add_commands
     try:
         return handler(api, args)

@@ -49,6 +49,9 @@ _NOT_INJECTABLE = frozenset(
         "x-forwarded-proto",
     }
 )
+# The path of an on_expiry or probe call, placeholders taken out: RFC 3986 path and query
+# characters and %XX escapes, since it goes on the request line as it is.
+_TEMPLATE_PATH = re.compile(r"/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
 # RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
 _MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
 # A DNS name the certificate of an HTTPS upstream is checked for, and sent as SNI.
@@ -59,7 +62,8 @@ _AUTHORITY = re.compile(r"(?P<host>[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<p
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # .inf passes gt=0 but no duration or size is infinite (rfc3339(inf) overflows)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Tls(_Model):
@@ -113,19 +117,19 @@ class Upstream(_Model):
     unmatched_tools: Literal["refuse", "pass"] = "pass"
     unfenced_tools: tuple[str, ...] = ()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _cdp_implies_websocket(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("cdp") is True:
-            if data.get("websocket") is False:
+    @model_validator(mode="after")
+    def _cdp_implies_websocket(self) -> Upstream:
+        # after validation: `cdp: "true"` or `cdp: 1` is a cdp upstream too
+        if self.cdp and not self.websocket:
+            if "websocket" in self.model_fields_set:
                 raise ValueError("cdp: true implies websocket: true; leave websocket out")
-            data = {**data, "websocket": True}
-        if isinstance(data, dict) and data.get("mcp") is True and data.get("websocket") is True:
+            object.__setattr__(self, "websocket", True)  # frozen: set once, while validated
+        if self.mcp and self.websocket:
             raise ValueError(
                 "mcp: true speaks Streamable HTTP (POST, GET, DELETE): websocket and cdp "
                 "do not apply to it"
             )
-        return data
+        return self
 
     @field_validator("unmatched_tools", "unfenced_tools")
     @classmethod
@@ -174,6 +178,14 @@ class Upstream(_Model):
         port = authority.group("port")
         if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"port {port!r} is not a number from 1 to 65535")
+        host = authority.group("host")
+        if not host.startswith("["):
+            try:
+                host.encode("idna")
+            except UnicodeError:
+                raise ValueError(
+                    f"host {host!r}: an empty label, or one longer than 63 characters"
+                ) from None
         if parts.query or parts.fragment:
             raise ValueError("no query or fragment in an upstream URL")
         if not _URL_PATH.fullmatch(parts.path):
@@ -206,7 +218,12 @@ class Upstream(_Model):
     @field_validator("inject_headers")
     @classmethod
     def _header_names(cls, value: dict[str, str]) -> dict[str, str]:
+        seen: set[str] = set()
         for name in value:
+            if name.lower() in seen:
+                # header names are case-insensitive: the last would silently replace the first
+                raise ValueError(f"{name!r}: the same header is named twice (in another case)")
+            seen.add(name.lower())
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a header name")
             if name.lower() in _NOT_INJECTABLE:
@@ -279,6 +296,12 @@ class CallTemplate(_Model):
             raise ValueError(
                 f"unknown placeholder {{{sorted(unknown)[0]}}}; "
                 f"known: {', '.join(sorted(PLACEHOLDERS))}"
+            )
+        if not _TEMPLATE_PATH.fullmatch(re.sub(r"\{[a-z_]+\}", "", value)):
+            # it goes on the request line as it is: a space would make the call malformed
+            raise ValueError(
+                "the path may hold only RFC 3986 path and query characters, %XX escapes and "
+                "placeholders"
             )
         return value
 

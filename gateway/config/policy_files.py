@@ -64,10 +64,10 @@ def load_policies(
             places.append(f"{where}: resources[{index}]")
             _rule_checks(rule, (where, index), env, warnings)
     names = {u.name for u in upstreams}
-    for rule in rules:
+    for rule, place in zip(rules, places, strict=True):
         if rule.upstream not in names:
             raise PolicyError(
-                f"resources: rule {rule.match!r} names upstream {rule.upstream!r},"
+                f"{place}.upstream: rule {rule.match!r} names upstream {rule.upstream!r},"
                 f" which no policy file declares (known: {sorted(names)})"
             )
     mcp_checks(upstreams, rules, places)

@@ -111,10 +111,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_replication(self) -> Settings:
         if self.replication == "sync" and not self.database_url.startswith("postgres"):
-            raise ValueError("replication: sync is for PostgreSQL (GATEWAY_DATABASE_URL)")
+            raise ValueError("GATEWAY_REPLICATION=sync is for PostgreSQL (GATEWAY_DATABASE_URL)")
         if self.replication == "sync" and self.durability == "relaxed":
             raise ValueError(
-                "replication: sync needs durability strict: a relaxed commit waits for no standby"
+                "GATEWAY_REPLICATION=sync needs durability strict (GATEWAY_DURABILITY): a "
+                "relaxed commit waits for no standby"
             )
         return self
 

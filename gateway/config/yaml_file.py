@@ -85,6 +85,8 @@ def _parse(file: Path) -> tuple[Any, yaml.Node | None]:
         document = yaml.load(text, Loader=_StrictLoader)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigFileError(f"{file}: cannot read: {exc}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise ConfigFileError(f"{file}: not valid YAML: nested too deeply") from None
     except DuplicateKeyError as exc:
         raise ConfigFileError(
             f"{file}:{exc.mark.line + 1}: duplicate key {exc.key!r} (first "

@@ -168,8 +168,13 @@ def restore(backup_path: Path, database: Path, gap: int) -> Restored:
     """Install `backup_path` as the store at `database` with the fence floor (see the module
     doc). Raises `StoreLocked` when a gateway serves the database."""
     found = check_backup(backup_path)
-    database.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_database(database)
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_database(database)
+    except OSError as exc:
+        raise BackupError(
+            f"{database}: cannot be written as the database: {exc.strerror or exc}"
+        ) from None
     scratch = database.with_name(f".{database.name}.restore-{os.getpid()}")
     try:
         replaced = _replaced_highest(database)
