@@ -63,12 +63,25 @@ class JsonFormatter(logging.Formatter):
         return self._encode(entry)
 
 
+def _text_value(value: object) -> str:
+    """A field's value on a text line: quoted (with escapes) when it holds a space, a quote,
+    `=` or a control character, so that a client's text (a path) can neither end the line
+    nor add fields to it."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '"=' or not c.isprintable() for c in text):
+        return text
+    return json.dumps(text)
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", {})
-        tail = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        tail = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items() if v is not None)
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        text = f"{stamp} {record.levelname:<7} {record.getMessage()} {tail}".rstrip()
+        message = record.getMessage()
+        if not message.isprintable():  # a newline in a path, in "unhandled error on ..."
+            message = json.dumps(message)[1:-1]
+        text = f"{stamp} {record.levelname:<7} {message} {tail}".rstrip()
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text

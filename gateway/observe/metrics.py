@@ -86,6 +86,9 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        # from 0, so that the alert's increase() sees a replica's first failed cleanup
+        for result in ("succeeded", "failed", "unknown"):
+            self.cleanups.labels(result)
         admission = LoopHistograms(
             "fence_gateway_admission_seconds",
             "Admission: checks and the durable commit",

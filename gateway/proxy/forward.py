@@ -248,6 +248,8 @@ class Forwarding:
         metrics.upstream_of(upstream.name).observe(flow.upstream_s)
         failpoints.crash_at("after_upstream")
         flow.status, flow.outcome = head.status, outcome.status
+        if outcome.status == "outcome_unknown":  # an MCP answer that did not answer the call
+            metrics.outcome_unknown.labels(upstream.name).inc()
         recorded = await _record_over(app, place, receipt_id, outcome, over=head.complete)
         return Exchange(outcome, recorded, deadline, head=head, answer=answer)
 

@@ -264,6 +264,7 @@ async def _open(
     elif session.ending is not None:  # not sent: the session was cut before it opened
         blocked, error = session.ending.reason, _cut_error(session.ending)
     if blocked is not None:
+        flow.outcome = "not_sent"
         await record(app, receipt_id, Outcome("not_sent", error=blocked))
         error.headers.update(answer_headers)
         raise error
@@ -290,12 +291,14 @@ async def _open(
         app[appkeys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
         flow.status = refused.status
         outcome = Outcome("failed", http_status=refused.status, forwarded_at=forwarded_at)
+        flow.outcome = outcome.status
         if not await record(app, receipt_id, outcome):
             answer_headers["X-Receipt-Outcome"] = "unrecorded"
         return await _refusal(request, refused, answer_headers, upstream)
     except UpstreamFailure as failure:
         app[appkeys.METRICS].upstream.labels(upstream.name).observe(time.time() - forwarded_at)
         outcome = failure.as_outcome(forwarded_at)
+        flow.outcome = outcome.status
         if outcome.status == "outcome_unknown":
             app[appkeys.METRICS].outcome_unknown.labels(upstream.name).inc()
         if not await record(app, receipt_id, outcome):
@@ -515,6 +518,7 @@ async def _finish(
     ).closed(ending, time.time())
     assert session.receipt_id is not None
     outcome = Outcome("succeeded", http_status=101, forwarded_at=forwarded_at, session=closed)
+    flow.outcome = outcome.status
     await record(app, session.receipt_id, outcome)
     app[appkeys.METRICS].sessions.labels(session.upstream, ending.closed_by).inc()
     flow.session = {

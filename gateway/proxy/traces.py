@@ -36,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from opentelemetry import trace
 from opentelemetry.propagate import get_global_textmap
+from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -58,6 +59,28 @@ _CURRENT: contextvars.ContextVar[CallTrace | None] = contextvars.ContextVar(
 )
 """The call being handled in this task, for `TracedUpstreams` (cleanups and probes, which run
 in the sweeper's task, have none)."""
+
+
+class _HeaderGetter(Getter[Mapping[str, str]]):
+    """Every line of a header, as W3C Trace Context reads them: several `tracestate` lines are
+    one list (RFC 9110 §5.3); a `traceparent` sent more than once is invalid (none)."""
+
+    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+        getall = getattr(carrier, "getall", None)
+        if getall is not None:
+            values = list(getall(key, []))
+        else:
+            value = carrier.get(key)
+            values = [] if value is None else [value]
+        if not values or (key == "traceparent" and len(values) > 1):
+            return None
+        return values
+
+    def keys(self, carrier: Mapping[str, str]) -> list[str]:
+        return list(carrier.keys())
+
+
+_HEADERS = _HeaderGetter()
 
 
 class TracingError(Exception):
@@ -137,7 +160,7 @@ class Tracing:
             attributes["http.route"] = mount
         span = self.tracer.start_span(
             span_name(method, mount),
-            context=self.propagator.extract(headers),
+            context=self.propagator.extract(headers, getter=_HEADERS),
             kind=SpanKind.SERVER,
             attributes=attributes,
         )
@@ -187,7 +210,7 @@ class CallTrace:
         mount = flow.upstream.mount if flow.upstream is not None else None
         self.span = span = tracing.tracer.start_span(
             span_name(request.method, mount),
-            context=tracing.propagator.extract(carrier),
+            context=tracing.propagator.extract(carrier, getter=_HEADERS),
             kind=SpanKind.SERVER,
             attributes=_http_attributes(request, mount),
             start_time=self._started_ns,
@@ -213,6 +236,9 @@ class CallTrace:
                 "fence_gateway.upstream": upstream.name,
             },
         )
+        # a tracestate belongs to the traceparent it came with, which the tool does not get
+        if "tracestate" in self._tracing.propagator.fields:
+            headers.popall("tracestate", None)
         self._tracing.propagator.inject(headers, context=trace.set_span_in_context(span))
         return span
 
