@@ -194,7 +194,7 @@ class RecordingUpstream:
 
     async def start(self) -> RecordingUpstream:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        app.router.add_route("*", r"/{tail:[\s\S]*}", self._handle)
         # access_log=None: the test output stays readable.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()

@@ -50,8 +50,9 @@ def create_app(
     app.router.add_routes(fences.routes)
     app.router.add_routes(openapi.routes)
     mount_console(app)  # /_gateway/console: before the catch-alls below
-    app.router.add_route("*", "/_gateway/{tail:.*}", _not_found)
-    app.router.add_route("*", "/{tail:.*}", handler.handle)
+    # [\s\S]: any character, a line end too (`.` stops at one, and a path may hold %0A)
+    app.router.add_route("*", r"/_gateway/{tail:[\s\S]*}", _not_found)
+    app.router.add_route("*", r"/{tail:[\s\S]*}", handler.handle)
     return app
 
 

@@ -50,7 +50,7 @@ class RawBodyUpstream(RecordingUpstream):
 
     async def start(self) -> RawBodyUpstream:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        app.router.add_route("*", r"/{tail:[\s\S]*}", self._handle)
         self._runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=0.2, auto_decompress=False
         )
@@ -157,6 +157,28 @@ class TestPaths:
             "status": "succeeded",
             "fingerprint": fingerprint("POST", f"/tool{odd}", b"{}"),
         }
+
+    async def test_an_encoded_line_end_in_a_path_is_forwarded_on_both_servers(
+        self, upstream, gateway_factory, session
+    ) -> None:
+        """`%0A` and `%0D` are a path's bytes like any other: the call is routed by its
+        target as received, whether the front serves it or aiohttp does (a chunked body);
+        aiohttp's catch-all route matched no decoded line end, and answered 404."""
+        gateway = await start(gateway_factory, upstream)
+        odd = "/a%0Ab%0Dc"
+        framed = await raw(gateway, build_raw("GET", f"/tool{odd}"))
+        chunked = await call(
+            session,
+            "POST",
+            f"{gateway.url}/tool{odd}",
+            data=chunks_of(b"x" * 10, 5),
+            headers=fenced_headers(RESOURCE, 1),
+        )
+        assert (framed.status, chunked.status) == (200, 200), (framed.body, chunked.body)
+        assert [(r.method, r.path_qs) for r in upstream.requests] == [
+            ("GET", f"/api{odd}"),
+            ("POST", f"/api{odd}"),
+        ]
 
     async def test_longest_mount_wins(self, gateway_factory, session) -> None:
         async with (
