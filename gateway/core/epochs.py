@@ -90,6 +90,9 @@ def judge(
     A store with no epoch yet: its first, recorded without a floor."""
     if latest is None:
         return New(floor=False, reason="first epoch")
+    if remembered is not None and remembered[0] > latest.id:
+        # the epoch this replica read from is gone from the list: the store went back
+        return New(floor=True, reason="the store's epochs went back (restored in place)")
     if not seen.same_server_line(latest):
         if seen.system_id != latest.system_id:
             return New(floor=True, reason="another cluster (a new system identifier)")

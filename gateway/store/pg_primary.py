@@ -65,6 +65,9 @@ class PrimaryLink:
         self._highest_lsn = 0  # the highest WAL position read in `epoch`
         self.changes: list[EpochChange] = []
         self.replication_problem: str | None = None
+        # How many new epochs that applied the fence floor this replica has come into: what
+        # it admitted before one must never be forwarded (its leases and receipts are gone).
+        self.floors_seen = 0
 
     @property
     def sync(self) -> bool:
@@ -153,6 +156,8 @@ class PrimaryLink:
         if change is None and known is not None and epoch.id == known.id:
             self._highest_lsn = max(self._highest_lsn, seen.lsn)
         else:
+            if known is not None and epoch.id != known.id and epoch.floor == "applied":
+                self.floors_seen += 1
             self.epoch, self._highest_lsn = epoch, seen.lsn
         if change is not None and change.previous is not None:  # the first is no change
             self.changes.append(change)

@@ -337,6 +337,15 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 )
 
 
+class _CommitUnheard(StoreUnavailable):
+    """A transaction whose COMMIT was sent on a connection lost before its answer: it may
+    have committed. `result`: what the transaction's work returned."""
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 def _database_errors() -> tuple[type[BaseException], ...]:
     return (asyncpg.PostgresError, NoWritableHost, *_LOST_CONNECTION)
 
@@ -411,6 +420,7 @@ class PostgresStore:
         self._generation = 0  # how many instance ids this process has taken before
         self._interval = heartbeat_interval_s
         self._heartbeat_sent: float | None = None  # monotonic; see gateway.core.liveness
+        self._floors_at_claim = 0  # the link's `floors_seen` when this instance id was taken
         self._heartbeat_turn = asyncio.Lock()
         self._relaxed = durability == "relaxed"
         self._before_commit = before_commit
@@ -520,9 +530,10 @@ class PostgresStore:
         a restarted or duplicated `GATEWAY_INSTANCE_ID` never shares a heartbeat."""
         while True:
             candidate = liveness.next_instance_id(self._first_instance, self._generation)
-            sent = time.monotonic()
+            sent, floors = time.monotonic(), self._link.floors_seen
             if await conn.fetchval(_CLAIM_INSTANCE, candidate) is not None:
                 self.instance, self._heartbeat_sent = candidate, sent
+                self._floors_at_claim = floors
                 return
             self._generation += 1
 
@@ -575,12 +586,14 @@ class PostgresStore:
             "BEGIN; SET LOCAL synchronous_commit TO off" if relaxed and self._relaxed else "BEGIN"
         )
         for attempt in range(1, _RETRIES + 1):
+            committing = False  # the COMMIT may have reached the server, heard or not
             try:
                 async with self._connection() as conn:
                     await conn.execute(begin)
                     try:
                         result = await op(conn)
                         self._commit_hook()
+                        committing = True
                         unreplicated = await self._link.commit(conn)
                         if unreplicated is not None:  # committed on the primary alone
                             raise pg_sync.NotReplicated(f"the store failed: {unreplicated}", result)
@@ -596,6 +609,8 @@ class PostgresStore:
                 if attempt == _RETRIES:
                     raise StoreUnavailable(f"the store failed: {_one_line(exc)}") from exc
             except _database_errors() as exc:
+                if committing and isinstance(exc, _LOST_CONNECTION):  # committed, or not
+                    raise _CommitUnheard(f"the store failed: {_one_line(exc)}", result) from exc
                 raise StoreUnavailable(f"the store failed: {_one_line(exc)}") from exc
         raise AssertionError("unreachable")
 
@@ -647,6 +662,10 @@ class PostgresStore:
         except pg_sync.NotReplicated as exc:
             if isinstance(exc.result, Admitted):
                 self._unsent[exc.result.receipt_id] = (pg_sync.REPLICATION_WAIT, time.monotonic())
+            raise
+        except _CommitUnheard as exc:  # a COMMIT sent on a connection lost before its answer
+            if isinstance(exc.result, Admitted):
+                self._unsent[exc.result.receipt_id] = ("store_unavailable", time.monotonic())
             raise
 
     def _refuse_unreplicated(self, locked: Any = None) -> None:
@@ -914,8 +933,11 @@ class PostgresStore:
         )
 
     def may_forward(self, instance: str) -> bool:
-        return instance == self.instance and not liveness.lapsed(
-            self._heartbeat_sent, time.monotonic(), self._interval
+        # A new epoch that applied the floor (§19) ends the instance as a lapse does.
+        return (
+            instance == self.instance
+            and self._link.floors_seen == self._floors_at_claim
+            and not liveness.lapsed(self._heartbeat_sent, time.monotonic(), self._interval)
         )
 
     async def mark_forwarded(self, receipt_id: str) -> None:
@@ -1461,7 +1483,7 @@ class PostgresStore:
             # Under sync the heartbeat is also the replication check (§19): its commit must
             # wait for the standby, and it reads the settings.
             renewed = await (self._tx(op) if self._link.sync else self._run(op, writes=True))
-            if renewed is None:
+            if renewed is None or self._link.floors_seen != self._floors_at_claim:
                 self._generation += 1
                 await self._run(self._take_instance_id, writes=True)
                 return

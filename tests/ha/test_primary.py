@@ -34,7 +34,8 @@ def database(async_cluster: Cluster) -> Iterator[str]:
 
 
 def store_on(url: str, instance: str = "ha-1", **options: object) -> PostgresStore:
-    return PostgresStore(url, instance=instance, heartbeat_interval_s=0.5, **options)  # type: ignore[arg-type]
+    options.setdefault("heartbeat_interval_s", 0.5)
+    return PostgresStore(url, instance=instance, **options)  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager
@@ -157,6 +158,37 @@ class TestEpochs:
             await asyncio.gather(*(s.close() for s in stores))
             async_cluster.wait_streaming(1)
 
+    async def test_a_call_admitted_before_the_floor_is_never_sent_after_it(
+        self, async_cluster: Cluster, database: str
+    ) -> None:
+        """§19: after an `async` failover no call under a fence lower than one accepted is
+        forwarded. The floor expires the old lease and turns its call `outcome_unknown`, and
+        the next owner's call, above the floor, has nothing pending ahead of it and goes at
+        once; the old owner's call, admitted in the old epoch and still in its replica's
+        hands (waiting its turn, or paused), must not go then, though the replica's
+        heartbeat (here every 10 s) lived on through the failover."""
+        url = async_cluster.url(database)
+        a, b = (store_on(url, name, heartbeat_interval_s=10.0) for name in ("ha-a", "ha-b"))
+        await asyncio.gather(a.open(), b.open())
+        try:
+            old = await a.acquire("gw/1", "w1", 600, 0, None, None)
+            before = await a.admit(
+                call(old.lease.fence, resource="gw/1", issuer="gateway", owner="w1")
+            )
+            assert isinstance(before, Admitted) and a.may_forward(before.instance)
+            async_cluster.switchover()
+            await asyncio.gather(until_beat(a), until_beat(b))
+            new = await b.acquire("gw/1", "w2", 600, 0, None, None)
+            after = await b.admit(
+                call(new.lease.fence, resource="gw/1", issuer="gateway", owner="w2", key="k2")
+            )
+            assert isinstance(after, Admitted) and not after.ahead
+            assert b.may_forward(after.instance)  # the new owner's call goes at once...
+            assert not a.may_forward(before.instance)  # ...and the old one's never
+        finally:
+            await asyncio.gather(a.close(), b.close())
+            async_cluster.wait_streaming(1)
+
 
 class TestRestoredIntoAnotherCluster:
     async def test_a_dump_restored_into_another_cluster_applies_the_floor_at_first_start(
@@ -218,3 +250,16 @@ async def until_it_answers(store: PostgresStore, i: int, timeout: float = 60) ->
 
 
 __all__ = ["ok"]
+
+
+async def until_beat(store: PostgresStore, timeout: float = 60) -> None:
+    """A heartbeat that reaches the primary (the first may meet the old one's connections)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await store.heartbeat()
+            return
+        except StoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)

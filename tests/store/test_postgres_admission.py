@@ -543,12 +543,15 @@ def test_relaxed_and_sync_keep_the_transaction(tmp_path: Path) -> None:
 
 class _CuttableProxy:
     """A TCP relay to PostgreSQL whose client sides can be cut while the server sides stay
-    open: the database goes on with what it was sent, and its answers fall on the floor."""
+    open: the database goes on with what it was sent, and its answers fall on the floor.
+    `cut_at_commit`: the next COMMIT a client sends goes to the server, and that client's
+    side is cut before it hears the answer."""
 
     def __init__(self) -> None:
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
         self.port = 0
+        self.cut_at_commit = False
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -557,14 +560,24 @@ class _CuttableProxy:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 5432)
         self._writers.append(writer)
+        muted = False
 
-        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            while data := await source.read(65536):
-                if not sink.is_closing():
-                    sink.write(data)
+        async def inward() -> None:
+            nonlocal muted
+            while data := await reader.read(65536):
+                up_writer.write(data)
+                if self.cut_at_commit and b"COMMIT" in data:
+                    self.cut_at_commit, muted = False, True
+                    await asyncio.sleep(0.2)  # the server commits; its answer is not passed
+                    writer.transport.abort()
+                    return
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer),
-                             return_exceptions=True)  # fmt: skip
+        async def outward() -> None:
+            while data := await up_reader.read(65536):
+                if not writer.is_closing() and not muted:
+                    writer.write(data)
+
+        await asyncio.gather(inward(), outward(), return_exceptions=True)
         up_writer.close()
 
     def cut(self) -> None:
@@ -622,6 +635,37 @@ async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(
         )
         assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
         retried = await store.admit(call(2, key="second"))
+        assert isinstance(retried, Admitted) and retried.attempt == 2
+    finally:
+        await direct.close()
+        await proxy.close()
+        await store.close()
+
+
+async def test_a_full_admission_whose_commit_answer_is_lost_ends_not_sent(tmp_path: Path) -> None:
+    """The full transaction (every call under a gateway-issued lease, and every call under
+    `relaxed` or `sync`) commits whole once its COMMIT reached the server, heard or not: as
+    `admit_fresh`'s, a receipt it wrote ends `not_sent` at the next heartbeat (it stayed
+    `pending`, then `outcome_unknown`: a call never sent, its key blocked until reconciled)."""
+    from gateway.core.errors import StoreUnavailable
+
+    url = pg_database(tmp_path)
+    proxy = _CuttableProxy()
+    await proxy.start()
+    store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
+    await store.open()
+    direct = await asyncpg.connect(url)
+    try:
+        fence = (await store.acquire("gw/1", "w1", 60, 0, None, None)).lease.fence
+        proxy.cut_at_commit = True
+        with pytest.raises(StoreUnavailable):
+            await store.admit(call(fence, resource="gw/1", issuer="gateway", owner="w1"))
+        row = await direct.fetchrow("SELECT status FROM receipts WHERE resource = 'gw/1'")
+        assert row is not None and row["status"] == "pending"  # committed, unheard
+        await store.heartbeat()
+        row = await direct.fetchrow("SELECT status, error FROM receipts WHERE resource = 'gw/1'")
+        assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
+        retried = await store.admit(call(fence, resource="gw/1", issuer="gateway", owner="w1"))
         assert isinstance(retried, Admitted) and retried.attempt == 2
     finally:
         await direct.close()

@@ -44,6 +44,14 @@ class TestJudge:
     def test_a_position_read_in_an_older_epoch_says_nothing_of_the_latest(self) -> None:
         assert judge(recorded(), Epoch("71", 1, 10), (2, 400)) == Known(recorded())
 
+    def test_an_epoch_list_gone_back_applies_it(self) -> None:
+        """This replica read in epoch 4, and the latest recorded is 3: the store was restored
+        to before epoch 4 (a disk snapshot restored in place a second time: its first
+        restore recorded epoch 4 with the floor, which the snapshot does not hold)."""
+        for mode in ("async", "sync"):
+            back = judge(recorded(mode), Epoch("71", 1, 500), (4, 400))
+            assert back == New(True, "the store's epochs went back (restored in place)")
+
     def test_the_live_timeline_is_read_from_the_wal_file_name(self) -> None:
         assert timeline_of("0000000A0000000000000003") == 10
         with pytest.raises(ValueError):
