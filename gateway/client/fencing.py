@@ -68,13 +68,14 @@ class FencedAuth:
 
     def __init__(
         self,
-        headers: Mapping[str, str],
+        headers: Mapping[str, str] | Callable[[], Mapping[str, str]],
         *,
         guard: Callable[[], None] | None = None,
         credentials: Mapping[str, str] | None = None,
         gateway: str | None = None,
     ) -> None:
-        self._headers = dict(headers)
+        # a callable is asked at each request: a lease's headers carry its current fence
+        self._headers = headers if callable(headers) else dict(headers)
         self._guard = guard
         self._credentials = dict(credentials or {})
         self._gateway = origin(gateway) if gateway else None
@@ -82,13 +83,14 @@ class FencedAuth:
     def __call__(self, request: RequestT) -> RequestT:
         if self._guard is not None:
             self._guard()
-        request.headers.update(self._headers)
+        request.headers.update(self._headers() if callable(self._headers) else self._headers)
         if self._credentials and origin(str(request.url)) == self._gateway:
             request.headers.update(self._credentials)
         return request
 
     def __repr__(self) -> str:  # never the key
-        return f"FencedAuth({self._headers!r})"
+        shown = "a lease's current headers" if callable(self._headers) else self._headers
+        return f"FencedAuth({shown!r})"
 
 
 def fenced_auth(resource: str, fence: int, owner: str | None = None) -> FencedAuth:

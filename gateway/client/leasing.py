@@ -273,7 +273,7 @@ class LeaseState:
         refuses as stale_fence comes back as that answer, not as LeaseLost."""
         self.check()
         return FencedAuth(
-            fenced_headers(self.resource, self.fence, self.owner),
+            lambda: fenced_headers(self.resource, self.fence, self.owner),
             guard=self.check,
             credentials=self._proxy_headers,
             gateway=self._gateway,

@@ -217,6 +217,11 @@ class Forwarding:
             ),
             app[appkeys.SETTINGS].trusted_networks,
         )
+        if self._read_answer is not None:
+            # the gateway reads this answer's body for its outcome (an MCP tool call's
+            # JSON-RPC answer, docs/contract.md §16): it cannot read one the tool compressed
+            # because the client accepts gzip (httpx and httpx2 always do)
+            sent["Accept-Encoding"] = "identity"
         deadline = loop.time() + upstream.timeout_s
         forwarded_at = time.time()
         try:
