@@ -59,7 +59,9 @@ async def _write(request: web.Request) -> CheckpointWritten:
     flow.fence = headers.parse_fence(request.headers)
     flow.owner = headers.parse_owner(request.headers)
     raw = await read_body(request, checkpoints.MAX_BODY_BYTES, app[appkeys.SETTINGS].body_timeout_s)
-    body = params.json_object(raw, _FIELDS, ("step", "state"))
+    # `state` is kept and measured as the owner wrote it (§17): a whole number written with
+    # an exponent stays a number, not an int of 31 digits that a 1e30 would become
+    body = params.json_object(raw, _FIELDS, ("step", "state"), parse_float=float)
     try:
         step = checkpoints.checked_step(body["step"])
         state = checkpoints.encoded_state(body["state"])

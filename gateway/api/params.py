@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from decimal import Decimal
 from typing import Any
 
@@ -114,12 +114,16 @@ async def json_body(
 
 
 def json_object(
-    raw: bytes, fields: dict[str, type | tuple[type, ...]], required: Iterable[str]
+    raw: bytes,
+    fields: dict[str, type | tuple[type, ...]],
+    required: Iterable[str],
+    parse_float: Callable[[str], Any] = _json_number,
 ) -> dict[str, Any]:
     """`raw` as a JSON object with only `fields` (name -> accepted types), `required`
-    present; an empty body is an empty object."""
+    present; an empty body is an empty object. `parse_float`: how a number with a fraction
+    or exponent is read (by default a whole one becomes an exact int)."""
     try:
-        body = json.loads(raw, parse_float=_json_number) if raw else {}
+        body = json.loads(raw, parse_float=parse_float) if raw else {}
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise errors.InvalidRequest("the body is not valid JSON") from None
     if not isinstance(body, dict):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal, get_args
 
 from gateway.core import fences, floors
-from gateway.core.canonical_json import canonical_json
 from gateway.core.fences import Issuer, LeaseView
 from gateway.core.receipts import ReceiptStatus, ReconcileWaits, may_resolve
 from gateway.core.times import rfc3339
@@ -104,8 +104,23 @@ def encoded_state(state: Any) -> str:
 
 
 def same_state(a: str, b: str) -> bool:
-    """Whether two encoded states are equal as JSON, key order aside (RFC 8785)."""
-    return canonical_json(json.loads(a)) == canonical_json(json.loads(b))
+    """Whether two encoded states are equal as JSON, key order aside: numbers by their
+    exact value however they were written (`1e31` is `10000000000000000000000000000000`,
+    `1.0` is `1`), and never equal to `true` or `false`."""
+    exact_a = _exact(json.loads(a, parse_float=Decimal, parse_int=Decimal))
+    return bool(exact_a == _exact(json.loads(b, parse_float=Decimal, parse_int=Decimal)))
+
+
+def _exact(value: Any) -> Any:
+    """A parsed state with its numbers tagged: dicts compare without their order, Decimals
+    by value, and a tagged number never equals a bool (Decimal(1) == True)."""
+    if isinstance(value, Decimal):
+        return ("number", value)
+    if isinstance(value, list):
+        return [_exact(item) for item in value]
+    if isinstance(value, dict):
+        return {name: _exact(item) for name, item in value.items()}
+    return value
 
 
 def is_retry(latest: Checkpoint | None, new: NewCheckpoint, owner: str | None) -> bool:

@@ -208,6 +208,13 @@ def apply_in_place(database: Path, gap: int) -> tuple[RestoreReport, list[str]]:
         raise BackupError(f"{database}: no such database")
     lock = lock_database(database)
     try:
+        with _connection(database) as found:
+            version = found.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise BackupError(
+                f"{database} has schema version {version}, newer than this gateway knows "
+                f"({SCHEMA_VERSION}): apply the floor with the gateway that wrote it"
+            )
         conn = SqliteStore(database, instance="restore")._connect(read_only=False)
         try:
             conn.execute("BEGIN IMMEDIATE")
