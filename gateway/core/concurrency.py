@@ -74,6 +74,10 @@ class GradientLimit:
         return int(self.limit)
 
     def _close_window(self, short_rtt: float, busiest: int) -> None:
+        if short_rtt <= 0:
+            # every call of the window answered within a tick of the loop's clock (uvloop's
+            # moves in whole milliseconds), less the tool's time: no latency to compare
+            return
         if self._windows == 0:
             self.long_rtt = short_rtt
         else:  # an exponential average over about `long_windows` windows

@@ -296,6 +296,16 @@ class _GatewayRequestHandler(RequestHandler):
         self.force_close()
         lender()
 
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """aiohttp's drain, bounded by `timeout` in all: aiohttp waits that long for the
+        request in progress, then cancels it and waits as long again."""
+        try:
+            await asyncio.wait_for(super().shutdown(timeout), timeout)
+        except TimeoutError:
+            if self._task_handler is not None:
+                self._task_handler.cancel()
+            self.force_close()
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
         if self._shed_pause is not None:

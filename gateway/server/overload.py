@@ -157,9 +157,11 @@ class InflightLimit:
 
     def done(self, rtt_s: float, now: float) -> None:
         """A counted call was answered `rtt_s` after its head arrived, less the tool's time."""
-        if self._adaptive is not None:
-            self.limit = self._adaptive.sample(rtt_s, self.in_flight, now)
-        self.in_flight -= 1
+        try:
+            if self._adaptive is not None:
+                self.limit = self._adaptive.sample(rtt_s, self.in_flight, now)
+        finally:  # the place is given back whatever the sample did
+            self.in_flight -= 1
 
     def abandoned(self) -> None:
         """A counted call will never be handled: its connection closed while it was queued."""

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import ipaddress
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -20,6 +21,7 @@ from gateway.observe import logs
 from gateway.proxy import appkeys
 from gateway.server.app import create_app
 from gateway.server.http_server import GatewayRunner, GatewaySite
+from gateway.server.workers import HELD_SIGNALS, SUPERVISOR_ENV
 
 # Connections the kernel may hold accepted or half-open before the loop takes them (it caps
 # this at net.core.somaxconn). asyncio's 128 drops the SYNs of a crowd that connects at once
@@ -134,6 +136,24 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_SUPERVISOR_CHECK_S = 0.5
+
+
+def _watch_supervisor(pid: int, stop: asyncio.Event) -> None:
+    """A worker whose supervisor is gone (its parent is now another process) stops as on
+    SIGTERM: nobody would pass it a signal again."""
+    loop = asyncio.get_running_loop()
+
+    def check() -> None:
+        if os.getppid() != pid:
+            logs.event("supervisor_gone", logging.ERROR, supervisor=pid)
+            stop.set()
+            return
+        loop.call_later(_SUPERVISOR_CHECK_S, check)
+
+    check()
+
+
 async def serve(
     settings: Settings,
     policies: PolicySet,
@@ -164,9 +184,12 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_tls, tls, settings)
-    # A worker starts with SIGHUP blocked (gateway.server.workers): one sent meanwhile is
-    # handled now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+    # A worker starts with SIGHUP, SIGTERM and SIGINT blocked (gateway.server.workers): one
+    # sent meanwhile is handled now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor:
+        _watch_supervisor(int(supervisor), stop)
     site = GatewaySite(
         runner,
         settings.host,

@@ -15,6 +15,7 @@ one's calls like any replica's; and when a worker exits with a configuration err
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,12 @@ from gateway.observe import logs
 EXIT_CONFIG = 2
 RESTART_PAUSE_S = 1.0
 _POLL_S = 0.1
+# Held in a worker until `serve` has its handlers in place (it unblocks them): one sent
+# while it starts is handled then, instead of killing it.
+HELD_SIGNALS = frozenset({signal.SIGHUP, signal.SIGTERM, signal.SIGINT})
+# The supervisor's pid, in each worker's environment: a worker whose parent is no longer it
+# (killed, kill -9) drains and exits instead of serving on unsupervised.
+SUPERVISOR_ENV = "FENCE_GATEWAY_SUPERVISOR_PID"
 
 
 class WorkersError(Exception):
@@ -56,11 +63,13 @@ def supervise(settings: Settings) -> int:
     """Run `settings.workers` workers until SIGTERM or SIGINT; the exit status."""
     stopping: list[int] = []  # the signal received, once one is
     workers: list[subprocess.Popen[bytes]] = []
+    told: set[int] = set()  # the workers the stopping signal was passed to
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         stopping.append(signum)
         for worker in workers:
             if worker.poll() is None:
+                told.add(worker.pid)
                 worker.send_signal(signum)
 
     def hangup(signum: int, _frame: FrameType | None) -> None:
@@ -76,6 +85,11 @@ def supervise(settings: Settings) -> int:
     logs.event("workers_started", count=settings.workers, pids=[w.pid for w in workers])
     while True:
         if stopping:
+            # one spawned while the signal was being handled was not in the list yet
+            for worker in workers:
+                if worker.pid not in told and worker.poll() is None:
+                    told.add(worker.pid)
+                    worker.send_signal(stopping[-1])
             if all(worker.poll() is not None for worker in workers):
                 codes = [worker.returncode for worker in workers]
                 logs.event("workers_stopped", codes=codes)
@@ -98,10 +112,12 @@ def supervise(settings: Settings) -> int:
 
 
 def _spawn() -> subprocess.Popen[bytes]:
-    """One worker, with SIGHUP blocked: a child inherits the mask across exec."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    """One worker, with HELD_SIGNALS blocked: a child inherits the mask across exec."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     try:
-        return subprocess.Popen(worker_command())
+        return subprocess.Popen(
+            worker_command(), env={**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
