@@ -9,7 +9,7 @@ See docs/contract.md §7 for the receipt's fields and §9 for how `pending` beco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from gateway.core import liveness
@@ -38,9 +38,16 @@ class ReconcileWaits:
 
     per_upstream: dict[str, float]
     default: float
+    # How long an admitted call may wait for older ones before it leaves (the longest
+    # `queue_timeout_s` of the upstream's rules): a peer sharing the store cannot see that a
+    # call waits, so its age rule allows for this as well (docs/contract.md §14).
+    queued: dict[str, float] = field(default_factory=dict)
 
     def of(self, upstream: str) -> float:
         return self.per_upstream.get(upstream, self.default)
+
+    def queue_of(self, upstream: str) -> float:
+        return self.queued.get(upstream, max(self.queued.values(), default=0.0))
 
     def ready_at(self, upstream: str, forwarded_at: float | None, created_at: float) -> float:
         """When a receipt's call can no longer be running upstream."""

@@ -45,6 +45,11 @@ _BLOCKED = {
         "the store failed before the call could be sent; it was not sent",
     ),
     "instance_lapsed": (errors.StoreUnavailable, LAPSED),
+    "settled_while_waiting": (
+        errors.StoreUnavailable,
+        "the call's receipt was settled while it waited for older calls (a peer took it "
+        "for lost); it was not sent",
+    ),
 }
 
 

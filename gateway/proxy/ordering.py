@@ -204,7 +204,8 @@ async def clear_to_forward(
     """Takeover order for an admitted call, whatever its rule's concurrency (a resource may be
     served by a serial and a parallel rule at once), and a serial call's turn across
     processes. None when it may go; else why it may not (`resource_busy`,
-    `store_unavailable`), and it is then never sent.
+    `store_unavailable`, `settled_while_waiting`: its receipt is no longer `pending`), and it
+    is then never sent.
 
     A call that had to wait leaves later than its admission said: its `forwarded_at` is
     moved to now, durably, before it leaves, so that a reconciler's grace never ends while
@@ -219,7 +220,8 @@ async def clear_to_forward(
     try:
         if admitted.ahead and not await _clear_in_store(store, call, admitted, deadline):
             return "resource_busy"
-        await store.mark_forwarded(admitted.receipt_id)
+        if not await store.mark_forwarded(admitted.receipt_id):
+            return "settled_while_waiting"
     except StoreUnavailable:
         return "store_unavailable"
     return None

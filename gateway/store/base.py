@@ -353,9 +353,10 @@ class Store(Protocol):
         before the bytes leave."""
         ...
 
-    async def mark_forwarded(self, receipt_id: str) -> None:
+    async def mark_forwarded(self, receipt_id: str) -> bool:
         """A call that waited after admission leaves now (the reconcile grace counts from
-        here)."""
+        here); False when its receipt is no longer `pending` (a peer's sweep took it for
+        lost, or it was reconciled, while it waited): then it must not leave."""
         ...
 
     async def mark_incomplete(self, receipt_id: str) -> None:

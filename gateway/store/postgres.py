@@ -104,7 +104,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -258,7 +258,8 @@ _AHEAD = (
 # there), $10 whether it is late, $11 whether it settles the key (its retention starts).
 _RECORD_LOCKED = (
     "WITH r AS (UPDATE receipts SET status = $2, http_status = $3, error = $4, late = $10, "
-    f"forwarded_at = $5, completed_at = {_NOW}, replayable = $6, response_headers = $7, "
+    "forwarded_at = CASE WHEN $5::float8 IS NOT NULL THEN coalesce(forwarded_at, $5) END, "
+    f"completed_at = {_NOW}, replayable = $6, response_headers = $7, "
     "response_body = $8, session = coalesce($9, session) WHERE id = $1 "
     "RETURNING resource, idempotency_key, completed_at), "
     "k AS (UPDATE idempotency_keys k SET expires_at = r.completed_at + k.retention_s FROM r "
@@ -940,15 +941,16 @@ class PostgresStore:
             and not liveness.lapsed(self._heartbeat_sent, time.monotonic(), self._interval)
         )
 
-    async def mark_forwarded(self, receipt_id: str) -> None:
+    async def mark_forwarded(self, receipt_id: str) -> bool:
         """Durable before the call leaves: the reconcile grace counts from here."""
-        await self._run(
+        status: str = await self._run(
             lambda conn: conn.execute(
                 f"UPDATE receipts SET forwarded_at = {_NOW} WHERE id = $1 AND status = 'pending'",
                 receipt_id,
             ),
             writes=True,
         )
+        return status == "UPDATE 1"
 
     async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:
         await self._run(
@@ -1525,7 +1527,7 @@ class PostgresStore:
             if not rows:
                 return {}
             now = rows[0]["now"]  # one time for the whole judgement, as on SQLite
-            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now)
+            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now, self.instance)
             if not lost:
                 return {}
             self._commit_hook()

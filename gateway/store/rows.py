@@ -113,10 +113,13 @@ def lost_receipts(
     silent_after_s: float,
     in_flight: frozenset[str],
     now: float,
+    instance: str,
 ) -> list[Mapping[str, Any]]:
     """The `pending` receipts whose outcome is lost at `now` (`gateway.core.receipts.is_lost`);
-    the rows have `id`, `upstream`, `created_at`, `forwarded_at`, `kind` and their instance's
-    `heartbeat_at`."""
+    the rows have `id`, `upstream`, `created_at`, `forwarded_at`, `kind`, `instance` and their
+    instance's `heartbeat_at`. `instance` is the sweeping one: its own open sessions are in
+    `in_flight`, so its own session not in flight has ended, its outcome not recorded; a
+    peer's call may still be waiting for older ones to leave (`ReconcileWaits.queued`)."""
     return [
         row
         for row in rows
@@ -125,8 +128,9 @@ def lost_receipts(
             heartbeat_at=row["heartbeat_at"],
             silent_after_s=silent_after_s,
             now=now,
-            ready_at=waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"]),
-            session=row["kind"] == "session",
+            ready_at=waits.ready_at(row["upstream"], row["forwarded_at"], row["created_at"])
+            + (0.0 if row["instance"] == instance else waits.queue_of(row["upstream"])),
+            session=row["kind"] == "session" and row["instance"] != instance,
         )
     ]
 

@@ -120,7 +120,8 @@ _KEY_STATE = (
 # last parameter): the key is the receipt's own, so one row takes both.
 _RECORD_OUTCOME = (
     "UPDATE receipts SET status = ?1, http_status = ?2, error = ?3, late = ?4, "
-    "forwarded_at = ?5, completed_at = ?6, replayable = ?7, response_headers = ?8, "
+    "forwarded_at = CASE WHEN ?5 IS NOT NULL THEN coalesce(forwarded_at, ?5) END, "
+    "completed_at = ?6, replayable = ?7, response_headers = ?8, "
     "response_body = ?9, session = coalesce(?10, session), "
     "key_expires_at = CASE WHEN ?12 THEN ?6 + key_retention_s ELSE key_expires_at END "
     "WHERE id = ?11"
@@ -512,16 +513,19 @@ class SqliteStore:
             outcomes.settles_key(completion, outcome.status),
         )
 
-    async def mark_forwarded(self, receipt_id: str) -> None:
+    async def mark_forwarded(self, receipt_id: str) -> bool:
         """The call leaves now, later than its admission (it waited for older calls): the
         time a reconciler must wait counts from here, so this is durable before it leaves."""
-        await self._write(
-            lambda conn: conn.execute(
-                "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
-                (self._now(), receipt_id),
+        updated: int = await self._write(
+            lambda conn: (
+                conn.execute(
+                    "UPDATE receipts SET forwarded_at = ? WHERE id = ? AND status = 'pending'",
+                    (self._now(), receipt_id),
+                ).rowcount
             ),
             of_call=True,
         )
+        return updated == 1
 
     async def session_opened(self, receipt_id: str, record: SessionRecord) -> None:
         await self._write(
@@ -1006,11 +1010,12 @@ class SqliteStore:
         def op(conn: sqlite3.Connection) -> dict[str, int]:
             now = self._now()
             rows = conn.execute(
-                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, r.kind, i.heartbeat_at "
+                "SELECT r.id, r.upstream, r.created_at, r.forwarded_at, r.kind, r.instance, "
+                "i.heartbeat_at "
                 "FROM receipts r LEFT JOIN instances i ON i.id = r.instance "
                 "WHERE r.status = 'pending'"
             ).fetchall()
-            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now)
+            lost = lost_receipts(rows, waits, silent_after_s, in_flight, now, self.instance)
             conn.executemany(
                 "UPDATE receipts SET status = 'outcome_unknown', error = "
                 "'outcome_not_recorded' WHERE id = ? AND status = 'pending'",

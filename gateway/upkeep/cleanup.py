@@ -170,7 +170,8 @@ class Cleaner:
                 detail="waiting for the receipt to be reconciled",
             )
         else:
-            retry_in = min(settings.sweep_interval_s * 2 ** (claim.attempt - 1), MAX_RETRY_S)
+            doublings = min(claim.attempt - 1, 64)  # 2.0 ** 1024 is past a float
+            retry_in = min(settings.sweep_interval_s * 2.0**doublings, MAX_RETRY_S)
             await store.finish_cleanup(
                 resource,
                 fence,

@@ -43,8 +43,13 @@ def wait_times(app: web.Application) -> ReconcileWaits:
     """Per upstream, how long after `forwarded_at` a call may still be running at its tool.
     Receipts of an upstream no longer in the policies wait the longest of them."""
     grace = app[appkeys.SETTINGS].reconcile_grace_s
-    waits = {name: u.timeout_s + grace for name, u in app[appkeys.POLICIES].upstreams.items()}
-    return ReconcileWaits(waits, max(waits.values(), default=30.0))
+    policies = app[appkeys.POLICIES]
+    waits = {name: u.timeout_s + grace for name, u in policies.upstreams.items()}
+    queued = {
+        name: max((rule.queue_timeout_s for rule in rules), default=0.0)
+        for name, rules in policies.rules_of.items()
+    }
+    return ReconcileWaits(waits, max(waits.values(), default=30.0), queued)
 
 
 def why_not_reconcilable(receipt: Receipt, waits: ReconcileWaits, now: float) -> str | None:
@@ -127,6 +132,12 @@ async def probe(app: web.Application, receipt_id: str) -> dict[str, Any]:
             f"{receipt.upstream}, resource {receipt.resource!r}): resolve it instead"
         )
     template = rule.probe
+    if receipt.idempotency_key is None and "{idempotency_key}" in template.path:
+        # the probe would ask about no operation in particular (a session has no key)
+        raise errors.NotReconcilable(
+            f"receipt {receipt_id} has no idempotency key for the policy's probe to ask "
+            "about: resolve it instead"
+        )
     request_id = headers.new_request_id()
     # the tool's credentials as on every call, but no key or fence: this is a read
     sent = upstream_headers(

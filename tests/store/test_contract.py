@@ -157,6 +157,16 @@ class TestOutcomes:
         receipt = await store.get_receipt(admitted.receipt_id)
         assert (receipt.status, receipt.error) == ("reconciled", "late_outcome")
 
+    async def test_a_call_settled_while_it_waited_may_not_leave(self, store) -> None:
+        """A waiting call's `mark_forwarded` says whether its receipt is still `pending`: one a
+        sweep took for lost meanwhile (a peer's, which cannot see it wait) is never sent."""
+        waiting = await store.admit(call(1))
+        lost = await store.admit(call(1, key="other"))
+        assert await store.mark_forwarded(waiting.receipt_id) is True
+        await store.expire_pending(NO_WAIT, 60, frozenset({waiting.receipt_id}))
+        assert await store.mark_forwarded(lost.receipt_id) is False
+        assert (await store.get_receipt(lost.receipt_id)).status == "outcome_unknown"
+
     async def test_in_flight_receipts_are_not_lost(self, store) -> None:
         admitted = await store.admit(call(1))
         assert await store.expire_pending(NO_WAIT, 60, frozenset({admitted.receipt_id})) == {}

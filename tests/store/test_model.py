@@ -499,7 +499,11 @@ class Model:
         receipt.http_status = outcome.http_status
         receipt.error = outcome.error
         receipt.late = completion is Completion.LATE
-        receipt.forwarded_at = outcome.forwarded_at
+        # the time it left, as the store took it, stays (an outcome never sent has none)
+        if outcome.forwarded_at is None:
+            receipt.forwarded_at = None
+        elif receipt.forwarded_at is None:
+            receipt.forwarded_at = outcome.forwarded_at
         receipt.completed_at = self.now
         receipt.answer = outcome.response
         if outcome.status != "outcome_unknown":
@@ -513,10 +517,12 @@ class Model:
         if held is not None and held.receipt_id == receipt.id:
             held.expires_at = self.now + held.retention_s
 
-    def mark_forwarded(self, receipt_id: str) -> None:
+    def mark_forwarded(self, receipt_id: str) -> bool:
         receipt = self.receipts[receipt_id]
-        if receipt.status == "pending":
-            receipt.forwarded_at = self.now
+        if receipt.status != "pending":
+            return False  # settled while it waited: it does not leave
+        receipt.forwarded_at = self.now
+        return True
 
     def mark_incomplete(self, receipt_id: str) -> None:
         receipt = self.receipts[receipt_id]
@@ -940,8 +946,9 @@ class StoreMachine(RuleBasedStateMachine):
     def mark_forwarded(self, data: st.DataObject) -> None:
         pending = sorted(i for i, r in self.model.receipts.items() if r.status == "pending")
         receipt_id = data.draw(st.sampled_from(pending), label="receipt")
-        self.run(self.store.mark_forwarded(receipt_id))
-        self.model.mark_forwarded(receipt_id)
+        assert self.run(self.store.mark_forwarded(receipt_id)) == self.model.mark_forwarded(
+            receipt_id
+        )
 
     @precondition(lambda self: any(r.status in _ANSWERED for r in self.model.receipts.values()))
     @rule(data=st.data())
