@@ -5,11 +5,7 @@ sends the lease's current fence, also after the lease was acquired again."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,12 +18,10 @@ from mcp.client.streamable_http import streamable_http_client
 
 from gateway.client import GatewayClient
 from tests.harness import (
-    REPO_ROOT,
     GatewayFactory,
     GatewayProcess,
     RecordingUpstream,
     fetch_receipts,
-    free_port,
     make_policy,
 )
 from tests.mcp.conftest import McpServerProcess, McpServerView, mcp_policy
@@ -49,24 +43,8 @@ class GzipMcpServer(McpServerProcess):
         "            port=int(sys.argv[1]), log_level='warning')\n"
     )
 
-    def start(self) -> GzipMcpServer:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.SCRIPT, str(self.port), str(self.log)],
-            cwd=REPO_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the MCP server exited with {self.proc.returncode}")
-            time.sleep(0.05)
-        raise RuntimeError("the MCP server did not start")
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.SCRIPT, str(self.port), str(self.log)]
 
 
 @pytest.fixture(scope="module")

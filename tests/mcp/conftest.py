@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -38,10 +38,13 @@ class McpServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> McpServerProcess:
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tests.mcp.mcp_server", str(self.port), str(self.log)]
+
+    def start(self) -> Self:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.mcp.mcp_server", str(self.port), str(self.log)],
+            self.command(),
             cwd=REPO_ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
