@@ -44,13 +44,13 @@ async def test_text_log_line_cannot_be_forged_by_a_percent_encoded_path(
     forged = "/tool/x%0A12:00:00%20WARNING%20rejected%20code=stale_fence%20status=409"
     with caplog.at_level(logging.INFO, logger="fence_gateway"):
         status, _, _ = await gw.send("GET", forged)
-        assert status in (200, 404)
+        assert status == 200  # proxied: the path is the tool's
     lines = _call_lines(caplog)
     assert len(lines) == 1
     [line] = lines
     assert "\n" not in line, line
     keys = [m.group(1) for m in re.finditer(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)', line)]
-    assert keys.count("status") == 1 and keys.count("code") == 1, line
+    assert keys.count("status") == 1 and "code" not in keys, line  # none forged
 
 
 # -- tracing: W3C trace context from the request's headers ----------------------------------

@@ -203,8 +203,9 @@ class Forwarding:
         blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
         # A process paused past its heartbeat sends nothing (docs/contract.md §14, "A replica
         # fences itself"): asked here, before a connection is taken, and once more when one is
-        # in hand (`may_send`), the last moment before the bytes leave.
-        if blocked is None and not store.may_forward(admitted.instance):
+        # in hand (`may_send`), the last moment before the bytes leave. A lapse is also why
+        # peers settle a waiting call's receipt: it is named as the reason then.
+        if blocked in (None, "settled_while_waiting") and not store.may_forward(admitted.instance):
             blocked = "instance_lapsed"
         if blocked is not None:
             outcome = Outcome("not_sent", error=blocked)
