@@ -29,13 +29,23 @@ REPLICATION_WAIT = "replication_wait"
 """The `error` of a receipt admitted by a commit that did not wait for the standby."""
 
 
-class NotReplicated(StoreUnavailable):
-    """A commit that did not wait for the synchronous standby; `result`: what the
-    transaction's work returned (its effects are committed on the primary alone)."""
+class MaybeCommitted(StoreUnavailable):
+    """A transaction that may be committed though its caller is refused; `result`: what the
+    transaction's work returned. An admission in it is completed `not_sent` with `reason`
+    once found (the store's heartbeat looks)."""
+
+    reason = "store_unavailable"
 
     def __init__(self, message: str, result: object) -> None:
         super().__init__(message)
         self.result = result
+
+
+class NotReplicated(MaybeCommitted):
+    """A commit that did not wait for the synchronous standby: its effects are committed on
+    the primary alone."""
+
+    reason = REPLICATION_WAIT
 
 
 def problem_of(row: Any) -> str | None:

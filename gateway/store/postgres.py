@@ -338,13 +338,8 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 )
 
 
-class _CommitUnheard(StoreUnavailable):
-    """A transaction whose COMMIT was sent on a connection lost before its answer: it may
-    have committed. `result`: what the transaction's work returned."""
-
-    def __init__(self, message: str, result: object) -> None:
-        super().__init__(message)
-        self.result = result
+class _CommitUnheard(pg_sync.MaybeCommitted):
+    """A transaction whose COMMIT was sent on a connection lost before its answer."""
 
 
 def _database_errors() -> tuple[type[BaseException], ...]:
@@ -660,13 +655,9 @@ class PostgresStore:
                 return admitted
         try:
             return await self._tx(lambda conn: self._admit(conn, call), relaxed=True)
-        except pg_sync.NotReplicated as exc:
+        except pg_sync.MaybeCommitted as exc:  # unreplicated, or its COMMIT unheard
             if isinstance(exc.result, Admitted):
-                self._unsent[exc.result.receipt_id] = (pg_sync.REPLICATION_WAIT, time.monotonic())
-            raise
-        except _CommitUnheard as exc:  # a COMMIT sent on a connection lost before its answer
-            if isinstance(exc.result, Admitted):
-                self._unsent[exc.result.receipt_id] = ("store_unavailable", time.monotonic())
+                self._unsent[exc.result.receipt_id] = (exc.reason, time.monotonic())
             raise
 
     def _refuse_unreplicated(self, locked: Any = None) -> None:
