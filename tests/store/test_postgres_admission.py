@@ -12,8 +12,9 @@ each is one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -591,6 +592,24 @@ class _CuttableProxy:
             self._server.close()
 
 
+@contextlib.asynccontextmanager
+async def _through_proxy(tmp_path: Path) -> AsyncIterator[tuple[str, _CuttableProxy, Any, Any]]:
+    """The database's URL, a `_CuttableProxy`, a store whose connections go through it, and
+    a direct connection to look at what the database holds."""
+    url = pg_database(tmp_path)
+    proxy = _CuttableProxy()
+    await proxy.start()
+    store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
+    await store.open()
+    direct = await asyncpg.connect(url)
+    try:
+        yield url, proxy, store, direct
+    finally:
+        await direct.close()
+        await proxy.close()
+        await store.close()
+
+
 @pytest.mark.parametrize("heartbeat_first", [False, True], ids=["commit_first", "heartbeat_first"])
 async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(
     tmp_path: Path, heartbeat_first: bool
@@ -602,13 +621,7 @@ async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(
     (`heartbeat_first`)."""
     from gateway.core.errors import StoreUnavailable
 
-    url = pg_database(tmp_path)
-    proxy = _CuttableProxy()
-    await proxy.start()
-    store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
-    await store.open()
-    direct = await asyncpg.connect(url)
-    try:
+    async with _through_proxy(tmp_path) as (url, proxy, store, direct):
         assert isinstance(await store.admit(call(1, key="first")), Admitted)
         locker = await asyncpg.connect(url)
         tx = locker.transaction()
@@ -636,10 +649,6 @@ async def test_an_admission_committed_on_a_lost_connection_ends_not_sent(
         assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
         retried = await store.admit(call(2, key="second"))
         assert isinstance(retried, Admitted) and retried.attempt == 2
-    finally:
-        await direct.close()
-        await proxy.close()
-        await store.close()
 
 
 async def test_a_full_admission_whose_commit_answer_is_lost_ends_not_sent(tmp_path: Path) -> None:
@@ -649,13 +658,7 @@ async def test_a_full_admission_whose_commit_answer_is_lost_ends_not_sent(tmp_pa
     `pending`, then `outcome_unknown`: a call never sent, its key blocked until reconciled)."""
     from gateway.core.errors import StoreUnavailable
 
-    url = pg_database(tmp_path)
-    proxy = _CuttableProxy()
-    await proxy.start()
-    store = PostgresStore(url.replace(":5432/", f":{proxy.port}/"), instance="test-1")
-    await store.open()
-    direct = await asyncpg.connect(url)
-    try:
+    async with _through_proxy(tmp_path) as (_url, proxy, store, direct):
         fence = (await store.acquire("gw/1", "w1", 60, 0, None, None)).lease.fence
         proxy.cut_at_commit = True
         with pytest.raises(StoreUnavailable):
@@ -667,7 +670,3 @@ async def test_a_full_admission_whose_commit_answer_is_lost_ends_not_sent(tmp_pa
         assert (row["status"], row["error"]) == ("not_sent", "store_unavailable")
         retried = await store.admit(call(fence, resource="gw/1", issuer="gateway", owner="w1"))
         assert isinstance(retried, Admitted) and retried.attempt == 2
-    finally:
-        await direct.close()
-        await proxy.close()
-        await store.close()
