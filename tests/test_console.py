@@ -286,11 +286,20 @@ class TestBadRequests:
         _, _, html = await get(gw, CONSOLE)
         return gw, csrf_of(html)
 
+    @pytest.mark.parametrize("after", ["01KBZ5Q3M2", "735.01KBZ5Q3M2"])
+    async def test_a_queue_page_goes_on_from_either_store_s_position(
+        self, signed_in: Any, after: str
+    ) -> None:
+        gw, _ = signed_in
+        got, _, html = await get(gw, f"{CONSOLE}/queue?after={after}")
+        assert got == 200, html[:500]
+
     @pytest.mark.parametrize(
         ("path", "status"),
         [
             ("/nothing/here", 404),
             ("/queue?after=../x", 400),
+            ("/queue?after=1.2.3", 400),
             ("/queue?color=red", 400),
             ("/leases?state=gone", 400),
             ("/leases?after=a//b", 400),

@@ -79,7 +79,7 @@ async def list_receipts(request: web.Request) -> web.Response:
             fence_max=params.integer(query, "fence_max"),
             since=params.moment(query, "since"),
             until=params.moment(query, "until"),
-            after_id=params.decode_cursor(query),
+            after=params.decode_cursor(query),
             limit=params.limit(query),
         ),
     )
@@ -93,7 +93,7 @@ async def reconciliation(request: web.Request) -> web.Response:
         request,
         ReceiptQuery(
             status="outcome_unknown",
-            after_id=params.decode_cursor(query),
+            after=params.decode_cursor(query),
             limit=params.limit(query),
         ),
     )
@@ -118,9 +118,13 @@ async def get_receipt(request: web.Request) -> web.Response:
 
 
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
-    items = await request.app[appkeys.STORE].list_receipts(query)
+    page = await request.app[appkeys.STORE].list_receipts(query)
+    full = len(page.items) == query.limit
     return web.json_response(
-        params.page([receipt.to_json() for receipt in items], query.limit, "id")
+        {
+            "items": [receipt.to_json() for receipt in page.items],
+            "next_cursor": params.encode_cursor(page.end) if full and page.end else None,
+        }
     )
 
 

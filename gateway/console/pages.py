@@ -22,7 +22,9 @@ from gateway.upkeep import reconcile
 HOUR = 3600.0
 BUCKETS = 12  # the overview's hour in five-minute bars
 RECEIPTS_SHOWN = 100  # the newest receipts listed on a resource page
-_RECEIPT_ID = re.compile(r"[0-9A-Za-z]{1,64}")
+# Where a queue page goes on (`ReceiptPage.end`): a receipt id, after the id of the
+# transaction that admitted it on PostgreSQL.
+_POSITION = re.compile(r"(?:\d{1,20}\.)?[0-9A-Za-z]{1,64}")
 
 
 def _query(visit: Visit, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -101,15 +103,15 @@ class Waiting:
 async def queue(visit: Visit) -> web.Response:
     query = _query(visit, ("after",))
     after = query.get("after")
-    if after is not None and not _RECEIPT_ID.fullmatch(after):
-        raise errors.InvalidRequest(f"after {after!r}: a receipt id")
+    if after is not None and not _POSITION.fullmatch(after):
+        raise errors.InvalidRequest(f"after {after!r}: a position in the queue")
     app = visit.app
-    items = await reads.waiting(app[appkeys.STORE], after)
+    page = await reads.waiting(app[appkeys.STORE], after)
     waits = reconcile.wait_times(app)
     policies = app[appkeys.POLICIES]
     now = time.time()
     rows = []
-    for receipt in items:
+    for receipt in page.items:
         ready_at = waits.ready_at(receipt.upstream, receipt.forwarded_at, receipt.created_at)
         rule = policies.rule_for(receipt.upstream, receipt.resource)
         rows.append(
@@ -127,7 +129,7 @@ async def queue(visit: Visit) -> web.Response:
         count=count,
         count_complete=counted_all,
         after=after,
-        next_after=items[-1].id if len(items) == reads.QUEUE_PAGE else None,
+        next_after=page.end if len(page.items) == reads.QUEUE_PAGE else None,
         here=visit.request.path_qs,
     )
 

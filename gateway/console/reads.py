@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gateway.api.params import MAX_LIMIT
 from gateway.core.leases import Lease
-from gateway.store.base import Receipt, ReceiptQuery, Store
+from gateway.store.base import Receipt, ReceiptPage, ReceiptQuery, Store
 
 MOST_RECEIPTS = 20_000
 QUEUE_PAGE = 50
@@ -29,20 +29,20 @@ async def receipts_since(
     while len(items) < most:
         size = min(MAX_LIMIT, most - len(items))
         page = await store.list_receipts(
-            ReceiptQuery(resource=resource, since=since, after_id=after, limit=size)
+            ReceiptQuery(resource=resource, since=since, after=after, limit=size)
         )
-        items += page
-        if len(page) < size:
+        items += page.items
+        if len(page.items) < size:
             return Receipts(items, complete=True)
-        after = page[-1].id
+        after = page.end
     return Receipts(items, complete=False)
 
 
-async def waiting(store: Store, after: str | None, limit: int = QUEUE_PAGE) -> list[Receipt]:
+async def waiting(store: Store, after: str | None, limit: int = QUEUE_PAGE) -> ReceiptPage:
     """A page of the reconciliation queue: `outcome_unknown` receipts, oldest first, as
     `GET /_gateway/v1/reconciliation` lists them."""
     return await store.list_receipts(
-        ReceiptQuery(status="outcome_unknown", after_id=after, limit=limit)
+        ReceiptQuery(status="outcome_unknown", after=after, limit=limit)
     )
 
 
@@ -52,10 +52,10 @@ async def count_waiting(store: Store, most: int = MOST_RECEIPTS) -> tuple[int, b
     while count < most:
         size = min(MAX_LIMIT, most - count)
         page = await waiting(store, after, size)
-        count += len(page)
-        if len(page) < size:
+        count += len(page.items)
+        if len(page.items) < size:
             return count, True
-        after = page[-1].id
+        after = page.end
     return count, False
 
 

@@ -227,8 +227,20 @@ class ReceiptQuery:
     fence_max: int | None = None
     since: float | None = None
     until: float | None = None
-    after_id: str | None = None
+    after: str | None = None  # a `ReceiptPage.end`: the list goes on after it
     limit: int = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiptPage:
+    """Receipts in a list's order, and the position of the last of them (`None` when there
+    are none), which a next page's `ReceiptQuery.after` goes on from. The position is the
+    store's own: on SQLite the receipt's id, ids being made in the order the writer commits;
+    on PostgreSQL the id of the transaction that admitted it, then its id
+    (`gateway.store.postgres_lists`)."""
+
+    items: list[Receipt]
+    end: str | None
 
 
 class ResolveRefused(StrEnum):
@@ -377,7 +389,10 @@ class Store(Protocol):
 
     # receipts (§7)
     async def get_receipt(self, receipt_id: str) -> Receipt | None: ...
-    async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]: ...
+    async def list_receipts(self, query: ReceiptQuery) -> ReceiptPage:
+        """Oldest first; a page read after another from its `end` never skips a receipt and
+        never repeats one, also while receipts are being written (docs/contract.md §7)."""
+        ...
 
     async def resolve(
         self,

@@ -45,7 +45,7 @@ from gateway.core.fences import Issuer
 from gateway.core.floors import DEFAULT_GAP
 from gateway.core.receipts import ReconcileWaits, Resolution, may_resolve
 from gateway.store import checkpoint_rows as cp
-from gateway.store import pg_epochs, pg_sync, postgres_floors
+from gateway.store import pg_epochs, pg_sync, postgres_floors, postgres_lists
 from gateway.store.base import (
     AcquireResult,
     Admitted,
@@ -63,6 +63,7 @@ from gateway.store.base import (
     Outcome,
     OwedCleanup,
     Receipt,
+    ReceiptPage,
     ReceiptQuery,
     Refused,
     Rejection,
@@ -94,7 +95,6 @@ from gateway.store.rows import (
     outcome_columns,
     owed_cleanup_of,
     owed_cleanup_rows,
-    receipt_list,
     receipt_of,
     rejected_values,
     replayed_of,
@@ -104,7 +104,7 @@ from gateway.store.rows import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 """The newest schema this code knows; `_MIGRATIONS[n]` takes a database from n - 1 to n."""
 _MIGRATIONS = {n: f"schema/postgres-{n}.sql" for n in range(1, SCHEMA_VERSION + 1)}
 _MIGRATION_LOCK = 0x66656E6365  # pg_advisory_xact_lock key: "fence"
@@ -1029,11 +1029,16 @@ class PostgresStore:
 
         return await self._run(op, writes=False)
 
-    async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        sql, params = receipt_list(query, lambda n: f"${n}")
+    async def list_receipts(self, query: ReceiptQuery) -> ReceiptPage:
+        sql, params = postgres_lists.receipt_list(query)
 
-        async def op(conn: Any) -> list[Receipt]:
-            return [receipt_of(row) for row in await conn.fetch(sql, *params)]
+        async def op(conn: Any) -> ReceiptPage:
+            rows = await conn.fetch(sql, *params)
+            if not rows:
+                return ReceiptPage([], None)
+            last = rows[-1]
+            end = postgres_lists.position(last["admitted_by"], last["id"])
+            return ReceiptPage([receipt_of(row) for row in rows], end)
 
         return await self._run(op, writes=False)
 

@@ -74,32 +74,32 @@ KEY_STATE_SELECT = ", ".join(f"r.{column}" for column in KEY_STATE_COLUMNS)
 """The same, of a receipt read as `r`."""
 
 
-def receipt_list(
+def receipt_conditions(
     query: ReceiptQuery, placeholder: Callable[[int], str]
-) -> tuple[str, list[object]]:
-    """A receipt list's statement and its parameters, the same on every backend:
-    `placeholder(n)` writes the backend's n-th parameter (from 1)."""
-    conditions = (
-        ("resource =", query.resource),
-        ("status =", query.status),
-        ("owner =", query.owner),
-        ("idempotency_key =", query.idempotency_key),
-        ("fence >=", query.fence_min),
-        ("fence <=", query.fence_max),
-        ("created_at >=", query.since),
-        ("created_at <", query.until),
-        ("id >", query.after_id),
-    )
-    filters = [(condition, value) for condition, value in conditions if value is not None]
-    where = " AND ".join(
-        f"{condition} {placeholder(n)}" for n, (condition, _) in enumerate(filters, 1)
-    )
-    sql = (
-        f"SELECT {RECEIPT_SELECT} FROM receipts {'WHERE ' + where if where else ''} "
-        f"ORDER BY id LIMIT {placeholder(len(filters) + 1)}"
-    )
-    params: list[object] = [value for _, value in filters]
-    return sql, [*params, query.limit]
+) -> tuple[list[str], list[object]]:
+    """A receipt list's filters (all but its position, which each backend orders by its own
+    way) as SQL conditions and their parameters, the same on every backend: `placeholder(n)`
+    writes the backend's n-th parameter (from 1)."""
+    filters = [
+        (condition, value)
+        for condition, value in (
+            ("resource =", query.resource),
+            ("status =", query.status),
+            ("owner =", query.owner),
+            ("idempotency_key =", query.idempotency_key),
+            ("fence >=", query.fence_min),
+            ("fence <=", query.fence_max),
+            ("created_at >=", query.since),
+            ("created_at <", query.until),
+        )
+        if value is not None
+    ]
+    conditions = [f"{condition} {placeholder(n)}" for n, (condition, _) in enumerate(filters, 1)]
+    return conditions, [value for _, value in filters]
+
+
+def where(conditions: list[str]) -> str:
+    return "WHERE " + " AND ".join(conditions) if conditions else ""
 
 
 def count_by_upstream(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:

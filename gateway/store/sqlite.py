@@ -45,6 +45,7 @@ from gateway.store.base import (
     Outcome,
     OwedCleanup,
     Receipt,
+    ReceiptPage,
     ReceiptQuery,
     Refused,
     Rejection,
@@ -71,12 +72,13 @@ from gateway.store.rows import (
     outcome_columns,
     owed_cleanup_of,
     owed_cleanup_rows,
-    receipt_list,
+    receipt_conditions,
     receipt_of,
     rejected_values,
     replayed_of,
     resolution_json,
     session_json,
+    where,
 )
 
 T = TypeVar("T")
@@ -608,11 +610,19 @@ class SqliteStore:
 
         return await self._read(op)
 
-    async def list_receipts(self, query: ReceiptQuery) -> list[Receipt]:
-        sql, params = receipt_list(query, lambda _: "?")
-        return await self._read(
-            lambda conn: [receipt_of(r) for r in conn.execute(sql, params).fetchall()]
-        )
+    async def list_receipts(self, query: ReceiptQuery) -> ReceiptPage:
+        """Ordered by id, which is the order in which the writer's commits made them."""
+        conditions, params = receipt_conditions(query, lambda _: "?")
+        if query.after is not None:
+            conditions.append("id > ?")
+            params.append(query.after)
+        sql = f"SELECT {RECEIPT_SELECT} FROM receipts {where(conditions)} ORDER BY id LIMIT ?"
+
+        def op(conn: sqlite3.Connection) -> ReceiptPage:
+            items = [receipt_of(row) for row in conn.execute(sql, (*params, query.limit))]
+            return ReceiptPage(items, items[-1].id if items else None)
+
+        return await self._read(op)
 
     # -- leases (§6) --------------------------------------------------------------------------
 

@@ -228,11 +228,13 @@ class TestListing:
         for fence in range(1, 31):
             await store.admit(call(fence, key=f"k{fence}", resource=f"a/{fence % 3}"))
         everything = await store.list_receipts(ReceiptQuery(limit=1000))
-        assert [r.fence for r in everything] == list(range(1, 31))
+        assert [r.fence for r in everything.items] == list(range(1, 31))
+        first = await store.list_receipts(ReceiptQuery(limit=10))
+        assert first.end is not None and [r.fence for r in first.items] == list(range(1, 11))
         page = await store.list_receipts(
-            ReceiptQuery(resource="a/1", fence_min=10, limit=3, after_id=everything[9].id)
+            ReceiptQuery(resource="a/1", fence_min=10, limit=3, after=first.end)
         )
-        assert [r.fence for r in page] == [13, 16, 19]
+        assert [r.fence for r in page.items] == [13, 16, 19]
 
 
 class TestRetention:

@@ -1103,14 +1103,14 @@ class StoreMachine(RuleBasedStateMachine):
             1e6, SILENT_AFTER_S, frozenset(), "outcome_not_recorded"
         )
         left = self.run(self.store.list_receipts(ReceiptQuery(status="pending", limit=10_000)))
-        assert left == []
+        assert left.items == []
 
     # -- after every step ---------------------------------------------------------------------
 
     @invariant()
     def agrees(self) -> None:
         model, store = self.model, self.store
-        receipts = self.run(store.list_receipts(ReceiptQuery(limit=10_000)))
+        receipts = self.run(store.list_receipts(ReceiptQuery(limit=10_000))).items
         assert [r.id for r in receipts] == sorted(model.receipts)
         for receipt in receipts:
             assert receipt == model.receipts[receipt.id].as_receipt()

@@ -202,7 +202,8 @@ def given_or_new(receipt_id: str) -> str:
 
 async def rows(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
     """Every row admission may touch; a new receipt's id and times left out, so that two
-    admissions of one call compare equal (its times are checked to be the database's)."""
+    admissions of one call compare equal (its times are checked to be the database's), and
+    every receipt's `admitted_by`, the id of the transaction that wrote it."""
     receipts = await conn.fetch(
         "SELECT r.*, r.id LIKE 'r__' AS given, created_at = forwarded_at AS one_time "
         "FROM receipts r ORDER BY given DESC, id"
@@ -220,7 +221,8 @@ async def rows(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
             tuple(
                 value
                 for name, value in r.items()
-                if r["given"] or name not in ("id", "created_at", "forwarded_at")
+                if name != "admitted_by"
+                and (r["given"] or name not in ("id", "created_at", "forwarded_at"))
             )
             for r in receipts
         ],
