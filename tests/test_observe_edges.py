@@ -173,10 +173,10 @@ def test_the_first_failed_cleanup_of_a_replica_fires_cleanup_not_reclaimed(
 ) -> None:
     """FenceGatewayCleanupNotReclaimed is `increase(...{result=~"failed|unknown"}[15m]) > 0`.
     increase() needs a sample before the rise: a series that first appears at 1 has increase
-    0. The gateway exports fence_gateway_sweeper_cleanups_total{result} only from its first
-    such cleanup on (unlike store_epochs_total, made "from 0, so that a rate sees the first
-    one"), so a replica's first failed or unknown cleanup never alerts. The series here is
-    what a scrape of the gateway sees: absent (or 0, if exported from the start), then 1."""
+    0, so a replica's first failed or unknown cleanup alerts only because the gateway exports
+    fence_gateway_sweeper_cleanups_total{result} from 0 at start. The series here is what a
+    scrape of the gateway sees: 0 when it is exported from the start (absent if it were not,
+    and then the alert does not fire), then 1."""
     if shutil.which("promtool") is None:
         pytest.skip("promtool is missing")
     metric = "fence_gateway_sweeper_cleanups_total"

@@ -167,7 +167,8 @@ async def list_leases(request: web.Request) -> web.Response:
     items = await request.app[appkeys.STORE].list_leases(
         query.get("prefix") or None, state, params.decode_cursor(query), size
     )
-    return web.json_response(params.page([lease.to_json() for lease in items], size, "resource"))
+    end = items[-1].resource if items else None
+    return web.json_response(params.page([lease.to_json() for lease in items], size, end))
 
 
 # -- validation ------------------------------------------------------------------------------

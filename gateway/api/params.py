@@ -85,9 +85,10 @@ def decode_cursor(params: dict[str, str]) -> str | None:
     return value.removeprefix(CURSOR_TAG)
 
 
-def page(items: list[dict[str, Any]], size: int, key: str) -> dict[str, Any]:
-    """`next_cursor` is set exactly when the page is full."""
-    cursor = encode_cursor(items[-1][key]) if len(items) == size else None
+def page(items: list[dict[str, Any]], size: int, end: str | None) -> dict[str, Any]:
+    """A list's answer; `end`: the position of its last item. `next_cursor` is set exactly
+    when the page is full."""
+    cursor = encode_cursor(end) if len(items) == size and end is not None else None
     return {"items": items, "next_cursor": cursor}
 
 

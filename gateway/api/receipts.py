@@ -119,12 +119,8 @@ async def get_receipt(request: web.Request) -> web.Response:
 
 async def _page(request: web.Request, query: ReceiptQuery) -> web.Response:
     page = await request.app[appkeys.STORE].list_receipts(query)
-    full = len(page.items) == query.limit
     return web.json_response(
-        {
-            "items": [receipt.to_json() for receipt in page.items],
-            "next_cursor": params.encode_cursor(page.end) if full and page.end else None,
-        }
+        params.page([receipt.to_json() for receipt in page.items], query.limit, page.end)
     )
 
 

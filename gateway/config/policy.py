@@ -26,7 +26,9 @@ from gateway.core.mcp import ToolTreatment, tool_matches, treat_tool, valid_tool
 
 HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _HEADER_NAME = re.compile(HTTP_TOKEN)
-_URL_PATH = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*")
+# RFC 3986 path characters and %XX escapes
+_PATH_CHARS = r"A-Za-z0-9\-._~!$&'()*+,;=:@/"
+_URL_PATH = re.compile(rf"(?:[{_PATH_CHARS}]|%[0-9A-Fa-f]{{2}})*")
 # Headers an upstream's inject_headers may not set: message framing, Host, and what the
 # gateway sets to tell the tool about a fenced call.
 _NOT_INJECTABLE = frozenset(
@@ -51,7 +53,7 @@ _NOT_INJECTABLE = frozenset(
 )
 # The path of an on_expiry or probe call, placeholders taken out: RFC 3986 path and query
 # characters and %XX escapes, since it goes on the request line as it is.
-_TEMPLATE_PATH = re.compile(r"/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
+_TEMPLATE_PATH = re.compile(rf"/(?:[{_PATH_CHARS}?]|%[0-9A-Fa-f]{{2}})*")
 # RFC 3986 pchar without pct-encoded: what a path segment may hold literally.
 _MOUNT = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
 # A DNS name the certificate of an HTTPS upstream is checked for, and sent as SNI.

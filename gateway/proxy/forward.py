@@ -188,16 +188,24 @@ class Forwarding:
             self._answer.release()
         self._in_flight.discard(self._receipt_id)
 
+    def _upstream_done(self, upstream: Upstream, forwarded_at: float, outcome: Outcome) -> None:
+        """The call is back from its tool, answered or not: its time there and its outcome go
+        to the flow and the metrics, before the outcome is recorded."""
+        app, flow = self._app, self._flow
+        metrics = app[appkeys.METRICS]
+        flow.upstream_s = time.time() - forwarded_at
+        metrics.upstream_of(upstream.name).observe(flow.upstream_s)
+        app[appkeys.FAILPOINTS].crash_at("after_upstream")
+        flow.outcome = outcome.status
+        if outcome.status == "outcome_unknown":
+            metrics.outcome_unknown.labels(upstream.name).inc()
+
     async def _exchange(
         self, rule: ResourceRule, upstream: Upstream, call: Call, admitted: Admitted
     ) -> Exchange:
         app, flow, place = self._app, self._flow, self._place
         receipt_id = admitted.receipt_id
-        store, metrics, failpoints = (
-            app[appkeys.STORE],
-            app[appkeys.METRICS],
-            app[appkeys.FAILPOINTS],
-        )
+        store, failpoints = app[appkeys.STORE], app[appkeys.FAILPOINTS]
         loop = asyncio.get_running_loop()
         failpoints.crash_at("after_admit")
         blocked = await clear_to_forward(place, rule.queue_timeout_s, store, call, admitted)
@@ -241,13 +249,8 @@ class Forwarding:
                 may_send=lambda: store.may_forward(admitted.instance),
             )
         except UpstreamFailure as failure:
-            flow.upstream_s = time.time() - forwarded_at
-            metrics.upstream_of(upstream.name).observe(flow.upstream_s)
-            failpoints.crash_at("after_upstream")
             outcome = failure.as_outcome(forwarded_at)
-            flow.outcome = outcome.status
-            if outcome.status == "outcome_unknown":
-                metrics.outcome_unknown.labels(upstream.name).inc()
+            self._upstream_done(upstream, forwarded_at, outcome)
             recorded = await record(app, receipt_id, outcome)
             return Exchange(outcome, recorded, deadline, error=failure.error)
         self._answer = answer  # let go on exit, whatever happens from here on
@@ -255,12 +258,8 @@ class Forwarding:
             head, outcome = await read_plain_answer(rule, answer, deadline, forwarded_at)
         else:
             head, outcome = await self._read_answer(answer, deadline, forwarded_at)
-        flow.upstream_s = time.time() - forwarded_at
-        metrics.upstream_of(upstream.name).observe(flow.upstream_s)
-        failpoints.crash_at("after_upstream")
-        flow.status, flow.outcome = head.status, outcome.status
-        if outcome.status == "outcome_unknown":  # an MCP answer that did not answer the call
-            metrics.outcome_unknown.labels(upstream.name).inc()
+        flow.status = head.status
+        self._upstream_done(upstream, forwarded_at, outcome)
         recorded = await _record_over(app, place, receipt_id, outcome, over=head.complete)
         return Exchange(outcome, recorded, deadline, head=head, answer=answer)
 

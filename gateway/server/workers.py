@@ -65,12 +65,15 @@ def supervise(settings: Settings) -> int:
     workers: list[subprocess.Popen[bytes]] = []
     told: set[int] = set()  # the workers the stopping signal was passed to
 
-    def stop(signum: int, _frame: FrameType | None) -> None:
-        stopping.append(signum)
+    def pass_on(signum: int) -> None:
         for worker in workers:
-            if worker.poll() is None:
+            if worker.pid not in told and worker.poll() is None:
                 told.add(worker.pid)
                 worker.send_signal(signum)
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        stopping.append(signum)
+        pass_on(signum)
 
     def hangup(signum: int, _frame: FrameType | None) -> None:
         for worker in workers:
@@ -85,11 +88,7 @@ def supervise(settings: Settings) -> int:
     logs.event("workers_started", count=settings.workers, pids=[w.pid for w in workers])
     while True:
         if stopping:
-            # one spawned while the signal was being handled was not in the list yet
-            for worker in workers:
-                if worker.pid not in told and worker.poll() is None:
-                    told.add(worker.pid)
-                    worker.send_signal(stopping[-1])
+            pass_on(stopping[-1])  # to one spawned while the signal was being handled
             if all(worker.poll() is not None for worker in workers):
                 codes = [worker.returncode for worker in workers]
                 logs.event("workers_stopped", codes=codes)
