@@ -49,20 +49,14 @@ class GzipMcpServer(McpServerProcess):
 
 @pytest.fixture(scope="module")
 def mcp_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpServerProcess]:
-    server = McpServerProcess(tmp_path_factory.mktemp("mcp-server")).start()
-    try:
+    with McpServerProcess(tmp_path_factory.mktemp("mcp-server")).serving() as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture(scope="module")
 def gzip_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GzipMcpServer]:
-    server = GzipMcpServer(tmp_path_factory.mktemp("mcp-gzip")).start()
-    try:
+    with GzipMcpServer(tmp_path_factory.mktemp("mcp-gzip")).serving() as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture

@@ -1,25 +1,17 @@
-"""Checkpoints and restore at their edges (docs/contract.md §17, §18): a state is measured as
-the JSON its owner sent, an identical retry is one however its numbers are written, and
-`restore --floor-only` leaves a newer gateway's database alone."""
+"""Checkpoints at their edges (docs/contract.md §17): a state is measured as the JSON its
+owner sent, and an identical retry is one however its numbers are written: a retry with big
+numbers is not a second checkpoint."""
 
 from __future__ import annotations
 
 import json
-import os
-import sqlite3
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from gateway.cli.main import main
-from gateway.store.sqlite import SCHEMA_VERSION
 from tests.harness import (
     AppFactory,
     InProcessGateway,
     RecordingUpstream,
     make_policy,
-    write_policy,
 )
 
 
@@ -79,48 +71,3 @@ class TestIdenticalRetry:
                 gw, resource, 5, f'{{"step":"s","state":{{"n":1e{exponent}}}}}'.encode()
             )
             assert (status, retry["seq"]) == (200, 1), (exponent, retry)
-
-
-@pytest.fixture
-def environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """GATEWAY_* for a SQLite store in tmp_path (as tests/test_cli_restore.py); its path."""
-    for name in list(os.environ):
-        if name.startswith("GATEWAY_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    policy = make_policy(
-        "http://127.0.0.1:9/api",
-        [
-            {"match": "g/*", "lease": {"issuer": "gateway"}},
-            {"match": "ext/**", "lease": {"issuer": "external"}},
-        ],
-    )
-    monkeypatch.setenv("GATEWAY_POLICIES", str(write_policy(tmp_path / "policy.yaml", policy)))
-    monkeypatch.setenv("GATEWAY_DATABASE_URL", f"sqlite:///{tmp_path}/gw.db")
-    monkeypatch.setenv("GATEWAY_RESTORE_FENCE_GAP", "1000")
-    return tmp_path / "gw.db"
-
-
-class TestFloorOnlyNewerSchema:
-    def test_a_database_of_a_newer_gateway_is_refused_in_one_line_and_left_alone(
-        self, environ: Path, capsys: pytest.CaptureFixture[str]
-    ) -> None:
-        """§18 / cli/restore.py: a database that cannot be used is one line on stderr and
-        exit 2, with nothing changed (docs/operations/schema-upgrades.md: a newer schema is
-        refused). `restore --floor-only` on a SQLite database a newer gateway wrote dies with
-        a traceback instead, after switching the database to WAL."""
-        with sqlite3.connect(environ) as conn:
-            conn.execute("CREATE TABLE fences (resource TEXT PRIMARY KEY)")
-            conn.execute("CREATE TABLE leases (resource TEXT PRIMARY KEY)")
-            conn.execute("CREATE TABLE receipts (id TEXT PRIMARY KEY)")
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-        conn.close()
-        before = environ.read_bytes()
-        try:
-            code = main(["restore", "--floor-only"])
-        except Exception as exc:  # what the operator sees: a traceback
-            pytest.fail(f"restore --floor-only raised {type(exc).__name__}: {exc}")
-        err = capsys.readouterr().err
-        assert code == 2 and len(err.splitlines()) == 1, err
-        assert "newer than this gateway knows" in err
-        assert environ.read_bytes() == before, "the refused database was changed"

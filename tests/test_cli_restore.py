@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from gateway.cli.main import main
 from gateway.store import create_store
 from gateway.store.base import Admitted, Refused
+from gateway.store.sqlite import SCHEMA_VERSION
 from tests.harness import make_policy, write_policy
 from tests.pg import create_database, drop_database, run_sync, url_of
 from tests.store.test_contract import call
@@ -201,3 +203,27 @@ def _pg_bin() -> str:
     if shutil.which("pg_dump"):
         return ""
     return "/usr/lib/postgresql/15/bin/"
+
+
+class TestFloorOnlyNewerSchema:
+    def test_a_database_of_a_newer_gateway_is_refused_in_one_line_and_left_alone(
+        self, environ: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A database a newer gateway wrote is refused by `restore --floor-only` as by a
+        start (docs/operations/schema-upgrades.md): one line on stderr, exit 2, and the file
+        as it was (not even switched to WAL), never a traceback."""
+        with sqlite3.connect(environ) as conn:
+            conn.execute("CREATE TABLE fences (resource TEXT PRIMARY KEY)")
+            conn.execute("CREATE TABLE leases (resource TEXT PRIMARY KEY)")
+            conn.execute("CREATE TABLE receipts (id TEXT PRIMARY KEY)")
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+        conn.close()
+        before = environ.read_bytes()
+        try:
+            code = main(["restore", "--floor-only"])
+        except Exception as exc:  # what the operator sees: a traceback
+            pytest.fail(f"restore --floor-only raised {type(exc).__name__}: {exc}")
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "newer than this gateway knows" in err
+        assert environ.read_bytes() == before, "the refused database was changed"

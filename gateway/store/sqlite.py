@@ -146,6 +146,16 @@ class SchemaTooNew(Exception):
     """The database was written by a newer gateway: this one must not serve it."""
 
 
+def _refuse_newer(conn: sqlite3.Connection) -> None:
+    """Raise `SchemaTooNew` for a database a newer gateway wrote."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            f"the SQLite schema is version {version}, newer than this gateway knows "
+            f"({SCHEMA_VERSION}): upgrade the gateway"
+        )
+
+
 def sqlite_path(url: str) -> Path:
     return Path(url.removeprefix("sqlite:///"))
 
@@ -249,6 +259,12 @@ class SqliteStore:
     def _connect(self, read_only: bool) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5)
         conn.row_factory = sqlite3.Row
+        if not read_only:
+            try:
+                _refuse_newer(conn)  # before anything is written, the switch to WAL included
+            except SchemaTooNew:
+                conn.close()
+                raise
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'NORMAL' if self._relaxed else 'FULL'}")
         conn.execute("PRAGMA foreign_keys=OFF")
@@ -263,21 +279,17 @@ class SqliteStore:
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
-        """Bring the schema to `SCHEMA_VERSION`, one version per transaction; refuse a
-        database of a newer gateway. A new database, and one from before versioning, reads 0:
-        the base schema (version 1, all `IF NOT EXISTS`) makes sure of it first. Only then:
-        a later version may drop what the base schema would make again."""
+        """Bring the schema to `SCHEMA_VERSION`, one version per transaction (a database of
+        a newer gateway was refused already: `_refuse_newer`). A new database, and one from
+        before versioning, reads 0: the base schema (version 1, all `IF NOT EXISTS`) makes
+        sure of it first. Only then: a later version may drop what the base schema would
+        make again."""
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version == 0:
             conn.executescript(
                 resources.files("gateway.store").joinpath("schema/sqlite.sql").read_text()
             )
             version = 1
-        if version > SCHEMA_VERSION:
-            raise SchemaTooNew(
-                f"the SQLite schema is version {version}, newer than this gateway knows "
-                f"({SCHEMA_VERSION}): upgrade the gateway"
-            )
         for step in range(version + 1, SCHEMA_VERSION + 1):
             script = resources.files("gateway.store").joinpath(f"schema/sqlite-{step}.sql")
             conn.executescript(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gateway.store import sqlite_floors
 from gateway.store.base import RestoreReport
-from gateway.store.sqlite import SCHEMA_VERSION, SqliteStore, lock_database
+from gateway.store.sqlite import SCHEMA_VERSION, SchemaTooNew, SqliteStore, lock_database
 
 _BUSY_TIMEOUT_S = 30
 
@@ -208,14 +208,10 @@ def apply_in_place(database: Path, gap: int) -> tuple[RestoreReport, list[str]]:
         raise BackupError(f"{database}: no such database")
     lock = lock_database(database)
     try:
-        with _connection(database) as found:
-            version = found.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise BackupError(
-                f"{database} has schema version {version}, newer than this gateway knows "
-                f"({SCHEMA_VERSION}): apply the floor with the gateway that wrote it"
-            )
-        conn = SqliteStore(database, instance="restore")._connect(read_only=False)
+        try:
+            conn = SqliteStore(database, instance="restore")._connect(read_only=False)
+        except SchemaTooNew as exc:  # refused before anything is written
+            raise BackupError(f"{database}: {exc}") from None
         try:
             conn.execute("BEGIN IMMEDIATE")
             report = sqlite_floors.apply_restore(conn, gap, 0, time.time())

@@ -65,6 +65,15 @@ class McpServerProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Self]:
+        """Started, and killed on leaving: a module's own server, for a fixture to yield."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.kill()
+
     def lines(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
 

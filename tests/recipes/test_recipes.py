@@ -121,11 +121,8 @@ async def receipts(gateway: GatewayProcess, resource: str) -> list[dict[str, Any
 
 @pytest.fixture(scope="module")
 def mcp_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpServerProcess]:
-    server = McpServerProcess(tmp_path_factory.mktemp("mcp-server")).start()
-    try:
+    with McpServerProcess(tmp_path_factory.mktemp("mcp-server")).serving() as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
