@@ -78,12 +78,10 @@ async def test_a_tool_call_answered_by_a_compressing_mcp_server_is_recorded_and_
     gateway_factory: GatewayFactory, gzip_process: GzipMcpServer
 ) -> None:
     """httpx2 (the MCP SDK's client) and httpx send `Accept-Encoding: gzip, ...` on every
-    request, and the gateway passes it on to the MCP server. A server that compresses its
-    JSON answers (Starlette's GZipMiddleware, as many MCP servers mounted in a web app have)
-    then answers the fenced tool call gzip-encoded, and the gateway, reading the JSON-RPC
-    answer to decide the outcome (docs/contract.md §16), cannot read it: the call the tool
-    ran and answered is recorded outcome_unknown (no_jsonrpc_answer), and the agent's retry
-    is refused 409 outcome_unknown instead of replayed, until someone reconciles it."""
+    request. The gateway reads a fenced tool call's JSON-RPC answer to decide its outcome
+    (docs/contract.md §16), so it asks the MCP server for an uncompressed one: a server that
+    compresses (Starlette's GZipMiddleware, as many MCP servers mounted in a web app have)
+    has its call recorded `succeeded`, not outcome_unknown, and the agent's retry replayed."""
     server = McpServerView(gzip_process)
     gateway = await gateway_factory(mcp_policy(gzip_process.url))
     args = {"to": "bob-" + "x" * 200, "text": "the deploy is done"}  # an answer over 64 bytes
@@ -111,11 +109,10 @@ async def test_a_tool_call_answered_by_a_compressing_mcp_server_is_recorded_and_
 async def test_an_auth_taken_before_the_lease_was_acquired_again_sends_the_current_fence(
     gateway_factory: GatewayFactory, http_tool: RecordingUpstream
 ) -> None:
-    """`lease.auth()` copies the fence when it is made, while its guard reads the lease as it
-    is now. A lease acquired again (`Lease.acquire` after a loss or a release, which the
-    library supports: it is released again on exit) has a new fence; an httpx client built
-    with `auth=lease.auth()` before passes the guard (the lease is held) but sends the old
-    fence, so every call is refused 409 stale_fence, while `lease.post` sends the new one."""
+    """`lease.auth()` reads the lease's fence at each request, as its guard reads the lease.
+    A lease acquired again (`Lease.acquire` after a loss or a release) has a new fence, and an
+    httpx client built with `auth=lease.auth()` before sends that one, as `lease.post` does,
+    not the old fence every call would be refused for (409 stale_fence)."""
     policy = make_policy(
         http_tool.url, [{"match": "deploy/*", "lease": {"issuer": "gateway", "ttl_s": 30}}]
     )

@@ -51,8 +51,9 @@ def write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
 
 
 def test_inject_headers_differing_only_in_case_are_refused(tmp_path: Path) -> None:
-    """Header names are case-insensitive: the second silently replaces the first on every
-    forwarded call (relay.upstream_headers), the very thing the duplicate-key check is for."""
+    """Header names are case-insensitive: two names differing only in case would be one header,
+    the second silently replacing the first on every forwarded call, so they are refused as a
+    duplicate key is."""
     text = (
         "upstreams:\n  - name: a\n    url: http://h\n    mount: /a\n"
         "    inject_headers: {Authorization: 'Bearer real', authorization: 'Bearer other'}\n"
@@ -70,8 +71,8 @@ def test_call_template_path_that_breaks_the_request_line_is_refused(
     tmp_path: Path, path: str
 ) -> None:
     """An on_expiry/probe path goes on the request line as it is (wire.request.encode_head):
-    a space makes every sweeper cleanup a malformed request. The upstream url's path is refused
-    for exactly this; the template's path is not checked at all."""
+    a space would make every sweeper cleanup a malformed request, so the template's path is
+    checked as the upstream url's is."""
     text = (
         "upstreams:\n  - {name: a, url: 'http://h', mount: /a}\nresources:\n"
         "  - match: 'x/*'\n    upstream: a\n"
@@ -83,9 +84,9 @@ def test_call_template_path_that_breaks_the_request_line_is_refused(
 
 @pytest.mark.parametrize("cdp", ['"true"', "1"])
 def test_cdp_true_however_written_implies_websocket(tmp_path: Path, cdp: str) -> None:
-    """`cdp: "true"` or `cdp: 1` is read as cdp True, but the before-validator checks the raw
-    value with `is True`: websocket stays False, so the rewritten discovery answers point at a
-    WebSocket the gateway then refuses (501)."""
+    """`cdp: "true"` or `cdp: 1` is a cdp upstream, and so a WebSocket one: the check is made on
+    the validated value, not the raw one, or the discovery answers would point at a WebSocket
+    the gateway then refuses (501)."""
     text = f"upstreams:\n  - {{name: a, url: 'http://h', mount: /a, cdp: {cdp}}}\n"
     upstream = load_policies(write(tmp_path, text), {}).upstreams["a"]
     assert upstream.cdp is True
@@ -93,15 +94,15 @@ def test_cdp_true_however_written_implies_websocket(tmp_path: Path, cdp: str) ->
 
 
 def test_mcp_written_as_1_with_websocket_is_refused(tmp_path: Path) -> None:
-    """`mcp: true` with `websocket: true` is refused, `mcp: 1` (the same upstream) is not."""
+    """`mcp: 1` with `websocket: true` is refused as `mcp: true` is: the same upstream."""
     text = "upstreams:\n  - {name: a, url: 'http://h', mount: /a, mcp: 1, websocket: true}\n"
     with pytest.raises(PolicyError, match="mcp: true speaks Streamable HTTP"):
         load_policies(write(tmp_path, text), {})
 
 
 def test_rule_naming_an_unknown_upstream_names_file_and_line(tmp_path: Path) -> None:
-    """docs/contract.md §8: an error names the file, the line and the field. This one names
-    neither file nor line (`fence-gateway: resources: rule 'x/*' names upstream 'nope'...`)."""
+    """docs/contract.md §8: an error names the file, the line and the field, also a rule's
+    unknown upstream, which is found only once every file is read."""
     write(tmp_path, "upstreams:\n  - {name: a, url: 'http://h', mount: /a}\n", "a.yaml")
     path = write(
         tmp_path,
@@ -115,49 +116,35 @@ def test_rule_naming_an_unknown_upstream_names_file_and_line(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("nesting", ["[" * 2000 + "]" * 2000, "{a: " * 2000 + "1" + "}" * 2000])
 def test_deeply_nested_policy_file_exits_2_with_one_line(tmp_path: Path, nesting: str) -> None:
-    """PyYAML composes recursively: a deep document raises RecursionError, no YAMLError, and
-    check-policies dies with a traceback and exit status 1."""
+    """PyYAML composes recursively: a deep document raises RecursionError, not a YAMLError,
+    and it is refused as any bad YAML is: one line, exit status 2, no traceback."""
     path = write(tmp_path, f"upstreams: {nesting}\n")
     result = run("check-policies", str(path))
     assert result.returncode == 2, result.stderr[-500:]
     assert one_line(result.stderr).startswith(f"fence-gateway: {path}")
 
 
-async def test_infinite_lease_ttl_is_refused_or_works(make_app: Any, upstream: Any) -> None:
-    """`ttl_s: .inf` (with `max_ttl_s: .inf`) passes `gt=0` and check-policies; every acquire
-    then commits the lease and answers 500 (rfc3339(inf): OverflowError)."""
+async def test_infinite_lease_ttl_is_refused_at_load(make_app: Any, upstream: Any) -> None:
+    """`ttl_s: .inf` passes `gt=0`; no duration is infinite (a lease's expiry could not be
+    written as a time), so the policy is refused, naming the field."""
     lease = {"issuer": "gateway", "ttl_s": float("inf"), "max_ttl_s": float("inf")}
-    policy = make_policy(upstream.url, [{"match": "run/*", "lease": lease}])
-    try:
-        gw = await make_app(policy)
-    except PolicyError as exc:
-        assert "ttl_s" in str(exc)
-        return
-    status, _, answer = await gw.acquire("run/a", "worker-a")
-    assert status == 201, answer
+    with pytest.raises(PolicyError, match="ttl_s"):
+        await make_app(make_policy(upstream.url, [{"match": "run/*", "lease": lease}]))
 
 
-async def test_upstream_host_with_an_empty_label_is_refused_or_answers_502(
-    make_app: Any, upstream: Any
-) -> None:
-    """`url: http://a..b:1` passes the url check; every call to it is then `500
-    internal_error` (the idna codec's UnicodeError escapes the upstream client)."""
-    policy = make_policy("http://a..b:1", [{"match": "run/*"}])
-    try:
-        gw = await make_app(policy)
-    except PolicyError as exc:
-        assert "upstreams[0].url" in str(exc)
-        return
-    status, _, body = await gw.send("GET", "/tool/x")
-    assert status == 502, body
+async def test_upstream_host_with_an_empty_label_is_refused_at_load(make_app: Any) -> None:
+    """`url: http://a..b:1` is no host name any call could reach (the idna codec refuses it):
+    the policy is refused, naming the upstream's url."""
+    with pytest.raises(PolicyError, match=r"upstreams\[0\]\.url"):
+        await make_app(make_policy("http://a..b:1", [{"match": "run/*"}]))
 
 
 # -- settings -----------------------------------------------------------------------------------
 
 
 def test_a_bad_combination_of_settings_names_its_variable(tmp_path: Path) -> None:
-    """configuration.md: a bad setting stops the gateway with one line naming the variable.
-    A model-level error has an empty `loc`: the line reads `GATEWAY_: Value error, ...`."""
+    """configuration.md: a bad setting stops the gateway with one line naming the variable,
+    also a check across settings (a model-level error, whose `loc` is empty)."""
     result = run("serve", env={"GATEWAY_REPLICATION": "sync"}, cwd=tmp_path)
     assert result.returncode == 2
     line = one_line(result.stderr)
@@ -174,9 +161,8 @@ def test_a_bad_combination_of_settings_names_its_variable(tmp_path: Path) -> Non
     ids=["empty-label", "nonnumeric-port", "port-out-of-range"],
 )
 def test_a_bad_url_is_a_bad_argument(url: str) -> None:
-    """§12: bad arguments exit 2 before any request. `a..b` dies with a UnicodeError
-    traceback; `:abc` is tried and reported as unreachable (exit 1); `:99999` is tried on
-    another port (99999 mod 65536) and reported as "connection refused"."""
+    """§12: bad arguments exit 2 before any request: a host with an empty label (`a..b`), a
+    port that is no number (`:abc`) or out of range (`:99999`) is never tried."""
     result = run("leases", "list", "--url", url)
     assert result.returncode == 2, result.stderr[-500:]
     assert one_line(result.stderr).startswith("fence-gateway:")
@@ -184,8 +170,8 @@ def test_a_bad_url_is_a_bad_argument(url: str) -> None:
 
 @pytest.mark.parametrize("key", ["s3cret\n", "s3cr\u00e9t\u2603"], ids=["newline", "non-latin-1"])
 def test_a_bad_gateway_key_is_a_configuration_error(key: str) -> None:
-    """A key read from a file with its newline, or not ASCII, dies in http.client with a
-    ValueError / UnicodeEncodeError traceback (exit 1)."""
+    """A key read from a file with its newline, or not ASCII, is a configuration error in one
+    line (exit 2), before http.client would raise on it."""
     result = run("receipts", "list", "--url", "http://127.0.0.1:9", env={"GATEWAY_KEY": key})
     assert result.returncode == 2, result.stderr[-500:]
     assert "GATEWAY_KEY" in one_line(result.stderr)
@@ -213,9 +199,9 @@ def _backup(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("where", ["folder", "under-a-file"])
 def test_restore_into_an_unusable_database_path_exits_2(tmp_path: Path, where: str) -> None:
-    """§18 / restore.py: a restore that cannot be made is one line and exit 2, nothing changed.
-    A GATEWAY_DATABASE_URL naming a folder (IsADirectoryError) or a path under a file
-    (FileExistsError from mkdir) dies with a traceback and exit 1."""
+    """§18 / restore.py: a restore that cannot be made is one line and exit 2, nothing changed,
+    also when GATEWAY_DATABASE_URL names a folder or a path under a file (an OSError, not a
+    traceback)."""
     backup = _backup(tmp_path)
     (tmp_path / "folder").mkdir()
     (tmp_path / "file").write_text("x")

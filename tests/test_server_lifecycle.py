@@ -108,11 +108,9 @@ def _kill_all(proc: subprocess.Popen[bytes], pids: set[int]) -> None:
 async def test_a_call_aiohttp_serves_is_cut_at_the_grace_not_at_twice_the_grace(
     gateway_factory: GatewayFactory, upstream: RecordingUpstream
 ) -> None:
-    """§9: SIGTERM lets calls finish for *up to* GATEWAY_SHUTDOWN_GRACE_S. A call the front
-    hands to aiohttp (here a chunked body) is waited for the grace, then cancelled and waited
-    for a second grace by aiohttp's RequestHandler.shutdown: the process outlives its grace
-    twice over (with the Kubernetes manifest's 20 s grace and 40 s termination period, it is
-    SIGKILLed mid-drain)."""
+    """§9: SIGTERM lets calls finish for *up to* GATEWAY_SHUTDOWN_GRACE_S, also a call the front
+    hands to aiohttp (here a chunked body): aiohttp's own drain would wait the grace, cancel
+    it and wait as long again, past a Kubernetes termination period of twice the grace."""
     upstream.default = Behavior(gate=asyncio.Event())  # the tool never answers
     gateway = await gateway_factory(
         make_policy(upstream.url, [{"match": "job/*"}], timeout_s=60),
@@ -142,8 +140,9 @@ async def test_a_call_aiohttp_serves_is_cut_at_the_grace_not_at_twice_the_grace(
 
 async def test_sigterm_while_the_workers_start_exits_0(tmp_path: Path, pg_url: str) -> None:
     """SIGTERM to the supervisor while its workers are still starting (a deploy rolled back at
-    once, or a worker being restarted): the workers start with SIGHUP held for later, but not
-    SIGTERM, which kills them (-15); the supervisor then exits 1, not 0."""
+    once, or a worker being restarted): the workers start with SIGTERM held as SIGHUP is, and
+    drain once they can, so they exit 0 and so does the supervisor (a worker killed by the
+    signal, -15, would make it exit 1)."""
     proc, log = _start_workers(tmp_path, pg_url, 2)
     try:
         await wait_for(lambda: b"workers_started" in log.read_bytes(), timeout=15)
@@ -157,10 +156,10 @@ async def test_sigterm_while_the_workers_start_exits_0(tmp_path: Path, pg_url: s
 async def test_sigterm_while_the_supervisor_spawns_stops_every_worker(
     tmp_path: Path, pg_url: str
 ) -> None:
-    """SIGTERM handled while a worker is being spawned (at start, or at a restart): `stop`
-    passes it to the workers already in the list, the one being spawned joins the list
-    after, is never told, and the supervisor waits for it for ever (a worker left serving).
-    The supervisor is stopped (SIGSTOP) in that window so that the timing is certain."""
+    """SIGTERM handled while a worker is being spawned (at start, or at a restart): the worker
+    being spawned joins the list after the signal was passed on, and is told too, or the
+    supervisor would wait for it for ever (a worker left serving). The supervisor is
+    stopped (SIGSTOP) in that window so that the timing is certain."""
     count = 4
     for _attempt in range(3):
         proc, _log = _start_workers(tmp_path, pg_url, count)
@@ -191,9 +190,9 @@ async def test_sigterm_while_the_supervisor_spawns_stops_every_worker(
 
 
 async def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path, pg_url: str) -> None:
-    """The supervisor killed (kill -9, the OOM killer): its workers go on serving on the port
-    (SO_REUSEPORT) with nobody to pass them SIGTERM or SIGHUP, and a new `serve --workers`
-    started beside them shares the port with them."""
+    """The supervisor killed (kill -9, the OOM killer): its workers drain and exit, instead of
+    serving on the port (SO_REUSEPORT) with nobody to pass them SIGTERM or SIGHUP, beside a
+    new `serve --workers` started on it."""
     proc, log = _start_workers(tmp_path, pg_url, 2)
     workers: set[int] = set()
     try:
@@ -222,11 +221,10 @@ def test_calls_answered_within_one_tick_of_uvloop_s_clock_give_back_their_slots(
     """The server times a counted call with `loop.time()`; on uvloop (the `speed` extra, which
     `serve` runs on when installed) that clock moves in whole milliseconds, so a call answered
     within the millisecond its head came in (a 404, a refusal at the edge) measures exactly
-    0.0 s. A window of such calls had a mean of 0.0, `GradientLimit._close_window` divided
-    by it, the ZeroDivisionError escaped `InflightLimit.done` before `in_flight -= 1`, and
-    every call after it leaked its slot until one took a millisecond: in_flight climbed to
-    the limit and then every proxied call was shed 503 overloaded for good. (The calls here
-    measure 0.0 as on uvloop, whichever loop runs the test.)"""
+    0.0 s. A window of such calls has a mean of 0.0, which the adaptive limit must not divide
+    by, and each call gives its slot back whatever the limit's sample did; a slot leaked per
+    call would climb to the limit and shed every proxied call 503 overloaded for good. (The
+    calls here measure 0.0 as on uvloop, whichever loop runs the test.)"""
     policy_path = write_policy(
         tmp_path / "policies.yaml", make_policy("http://127.0.0.1:9/api", [{"match": "job/*"}])
     )
