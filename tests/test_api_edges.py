@@ -79,9 +79,9 @@ async def fenced_call(gw: InProcessGateway, resource: str, fence: int) -> int:
 async def test_pg_a_nul_in_a_parameter_is_not_a_store_outage(
     pg_gw: tuple[InProcessGateway, str], path: str, expected: tuple[int, ...]
 ) -> None:
-    """No key, name or id holds a NUL, and PostgreSQL text cannot: a NUL is refused (or
-    found nowhere), where the read failed and the gateway answered `503 store_unavailable`,
-    naming a database error, as if the store were down."""
+    """No key, name or id holds a NUL, and PostgreSQL text cannot: a NUL is refused (or found
+    nowhere) before the store is asked, never a failed read answered `503 store_unavailable`
+    as if the store were down."""
     gw, _url = pg_gw
     status, headers, body = await gw.send("GET", path)
     assert status in expected, (status, body)
@@ -128,9 +128,8 @@ async def test_since_and_until_refuse_what_is_not_rfc_3339(
 
 async def test_put_on_fences_raise_is_not_a_method_of_that_path(gw: InProcessGateway) -> None:
     """The document gives the concrete path `/_gateway/v1/fences/raise` POST alone, and a
-    concrete path is matched before a templated one (OpenAPI 3.1, "Paths"); the gateway
-    answers `GET` there `405` with `Allow: POST`, and a `PUT` too (it was served as a raise
-    of a resource named `raise`)."""
+    concrete path is matched before a templated one (OpenAPI 3.1, "Paths"): `GET` and `PUT`
+    there are `405` with `Allow: POST`, never a raise of a resource named `raise`."""
     status, headers, body = await gw.send("PUT", "/_gateway/v1/fences/raise", json={"at_least": 5})
     assert (status, body["code"], headers.get("Allow")) == (405, "method_not_allowed", "POST")
 
@@ -143,8 +142,8 @@ async def test_revoking_an_expired_lease_keeps_its_cleanup_owed(
 ) -> None:
     """A lease that expired owes its `on_expiry` cleanup. Revoked after the sweeper marked it
     expired, the revoke only `free`s it; revoked before the sweeper's next pass, it is marked
-    expired first, as the sweeper would (it was turned `released` as a live lease, and its
-    cleanup was never owed)."""
+    expired first, as the sweeper would, so its cleanup is still owed (not `released` as a
+    live lease is)."""
     gw = await make_app(make_policy(upstream.url, rules()), sweep_interval_s=3600)
     status, _h, _lease = await gw.acquire("browser/acct-1", ttl_s=0.2)
     assert status == 201

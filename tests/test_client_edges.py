@@ -276,9 +276,9 @@ class TestTransientRefusals:
 async def test_a_lease_whose_client_is_closed_is_lost_and_its_renewal_ends(
     fake: FakeGateway,
 ) -> None:
-    """Closing the client under a held lease: the next renewal finds the session closed,
-    and the lease says it is lost (its renewal task ended with an unhandled RuntimeError,
-    and the lease went on saying it was held until its deadline)."""
+    """Closing the client under a held lease: the next renewal finds the session closed, its
+    task ends cleanly, and the lease says it is lost (never held until its deadline with no
+    renewal behind it)."""
     gw = GatewayClient(fake.url)
     lease = gw.lease(RESOURCE, owner="run-1", ttl_s=3)
     await lease.acquire()

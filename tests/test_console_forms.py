@@ -48,8 +48,8 @@ async def session_csrf(gw: InProcessGateway) -> str:
 async def test_a_resolve_form_with_a_bad_back_field_is_400_and_resolves_nothing(
     gw: InProcessGateway, upstream: RecordingUpstream
 ) -> None:
-    """`back` was read only after the receipt had been resolved: the page said 400, the
-    receipt was reconciled all the same."""
+    """`back` is read before anything is changed: a bad one is `400` and the receipt stays
+    as it was."""
     receipt_id = await lost_call(gw, upstream, "k-back")
     await sign_in(gw, "reconciler")
     _, _, queue = await get(gw, f"{CONSOLE}/queue")
@@ -103,7 +103,8 @@ async def test_a_revoke_form_with_a_bad_back_field_is_400_and_revokes_nothing(
 async def test_a_form_cannot_send_the_browser_out_of_the_console_with_dot_segments(
     gw: InProcessGateway, back: str
 ) -> None:
-    """A browser resolves `..` (and `%2e%2e`) in a Location: these left the console."""
+    """A browser resolves `..` (and `%2e%2e`) in a Location: such a `back` goes to the
+    default page, inside the console."""
     await sign_in(gw, "admin")
     _, _, html = await get(gw, f"{CONSOLE}/leases")
     form = {"csrf": csrf_of(html), "resource": "deploy/x", "back": back}
@@ -118,8 +119,8 @@ async def test_a_form_cannot_send_the_browser_out_of_the_console_with_dot_segmen
 async def test_a_form_value_that_is_no_unicode_text_is_400_not_500(
     gw: InProcessGateway, field: str
 ) -> None:
-    """A charset that decodes to a lone surrogate (unicode_escape) made the CSRF check or the
-    key's hash raise UnicodeEncodeError: 500."""
+    """A charset that decodes to a lone surrogate (unicode_escape) gives no text for the
+    CSRF check or the key's hash to read: `400`, never a 500."""
     _, _, form = await get(gw, f"{CONSOLE}/signin")
     values = {"csrf": csrf_of(form), "key": KEYS["reconciler"], field: "\\ud800"}
     body = "&".join(f"{name}={value}" for name, value in values.items()).encode()
@@ -136,8 +137,8 @@ async def test_a_form_value_that_is_no_unicode_text_is_400_not_500(
 async def test_an_unknown_page_is_404_whatever_the_method(
     gw: InProcessGateway, method: str
 ) -> None:
-    """docs/console.md: an unknown page 404; it was 405 with `Allow: GET, HEAD, POST`, as if
-    the page existed."""
+    """docs/console.md: an unknown page is 404 whatever the method, never a 405 with
+    `Allow: GET, HEAD, POST` as if the page existed."""
     await sign_in(gw, "admin")
     async with gw.client.request(method, f"{CONSOLE}/no/such/page") as r:
         assert (r.status, r.content_type) == (404, "text/html")
@@ -161,8 +162,8 @@ async def pg_open_gw(
 async def test_pg_a_nul_in_a_receipt_id_is_a_message_not_a_store_outage(
     pg_open_gw: InProcessGateway, action: str
 ) -> None:
-    """The API refuses a NUL in a receipt id as no such receipt; the console passed it to
-    PostgreSQL, which cannot hold one: 503 Store unavailable."""
+    """The API refuses a NUL in a receipt id as no such receipt, and so does the console,
+    which never passes it to PostgreSQL (that cannot hold one: 503 Store unavailable)."""
     gw = pg_open_gw
     form = {"csrf": await session_csrf(gw), "outcome": "applied", "source": "operator:local"}
     status, headers, page = await post(gw, f"{CONSOLE}/receipts/a%00b/{action}", form)

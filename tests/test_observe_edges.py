@@ -66,8 +66,7 @@ async def test_tracestate_sent_in_two_header_lines_reaches_the_tool_whole(
     make_app: AppFactory, upstream: RecordingUpstream, monkeypatch: Any
 ) -> None:
     """W3C Trace Context §3.3: several tracestate header lines are one list (RFC 9110 §5.3),
-    to be combined and passed on. The gateway reads only the first line, so the vendor entries
-    of the second never reach the tool (and are not on the server span)."""
+    combined and passed on: the vendor entries of the second line reach the tool too."""
     gw = await _traced(make_app, upstream, monkeypatch)
     sent = [
         *fenced_headers("orders/a", 5).items(),
@@ -90,8 +89,8 @@ async def test_tracestate_sent_in_two_header_lines_reaches_the_tool_whole(
 async def test_a_duplicated_traceparent_is_not_continued(
     make_app: AppFactory, upstream: RecordingUpstream, monkeypatch: Any
 ) -> None:
-    """W3C Trace Context test suite, test_traceparent_duplicated: two traceparent headers are
-    invalid and the trace restarts. The gateway continues whichever came first."""
+    """W3C Trace Context test suite, test_traceparent_duplicated: two traceparent headers
+    are invalid and the trace restarts; neither is continued."""
     gw = await _traced(make_app, upstream, monkeypatch)
     other = "0af7651916cd43dd8448eb211c80319c"
     from multidict import CIMultiDict
@@ -115,8 +114,8 @@ async def test_tracestate_of_a_refused_traceparent_is_not_passed_with_the_new_tr
 ) -> None:
     """An invalid traceparent (upper-case hex: W3C allows lowercase only) starts a new trace;
     its tracestate belongs to the trace that was not continued (W3C: a vendor that fails to
-    parse traceparent does not use tracestate). The tool gets the gateway's new traceparent
-    next to the client's old tracestate: two headers that describe different traces."""
+    parse traceparent does not use tracestate), so the tool never gets it beside the
+    gateway's new traceparent: two headers that would describe different traces."""
     gw = await _traced(make_app, upstream, monkeypatch)
     sent = {
         **fenced_headers("orders/a", 5),
@@ -137,9 +136,9 @@ async def test_an_mcp_tool_call_whose_outcome_is_lost_counts_in_outcome_unknown_
     make_app: AppFactory, upstream: RecordingUpstream
 ) -> None:
     """A fenced MCP tool call answered 200 with no JSON-RPC answer to it is recorded
-    `outcome_unknown` (docs/contract.md §16) but fence_gateway_outcome_unknown_total{upstream}
-    ("Calls whose outcome was lost", §10) does not count it: only a failure before the
-    answer's head counts (gateway/proxy/forward.py), not an outcome the answer reader lost."""
+    `outcome_unknown` (docs/contract.md §16), and fence_gateway_outcome_unknown_total{upstream}
+    ("Calls whose outcome was lost", §10) counts it, as it counts a failure before the
+    answer's head."""
     from tests.harness import Behavior
 
     upstream.default = Behavior(body=b'{"ok": true}')  # 2xx, but no JSON-RPC response
@@ -213,10 +212,9 @@ tests:
 async def test_a_sessions_server_span_carries_its_receipts_outcome(
     make_app: AppFactory, monkeypatch: Any
 ) -> None:
-    """docs/contract.md §21: `fence_gateway.outcome` is the receipt's status, the outcome of an
-    admitted call. A fenced WebSocket session's receipt ends `succeeded`, but its server span
-    has no outcome: the session path (gateway/proxy/sessions.py) never sets `flow.outcome`,
-    which only gateway/proxy/forward.py does."""
+    """docs/contract.md §21: `fence_gateway.outcome` is the receipt's status, the outcome of
+    an admitted call, on a fenced WebSocket session's server span too (`succeeded`), not
+    only on a forwarded call's."""
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

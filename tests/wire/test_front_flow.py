@@ -67,10 +67,10 @@ async def test_refusals_pipelined_to_a_client_that_does_not_read_wait_for_it(
 async def test_a_connection_closed_in_its_shed_pause_serves_nothing_after(start: Start) -> None:
     """Shutdown (`close()`) during a shed call's Retry-After pause, on a connection whose
     last answers are not all written out yet (the client reads slowly, so the transport
-    closes only once they are): the pause ends in nothing. It used to resume and dispatch the
-    request pipelined behind the shed one on the closing connection: in the gateway, a
-    proxied call started after the server closed its connections (an unfenced one was
-    forwarded to the tool), its answer never written."""
+    closes only once they are): the pause ends in nothing. The request pipelined behind the
+    shed one is never dispatched on the closing connection: in the gateway it would be a
+    proxied call started after the server closed its connections (an unfenced one forwarded
+    to the tool), its answer never written."""
     served = await start()
     dispatch = served.dispatch
     dispatch.retry_after_s = 0.3
