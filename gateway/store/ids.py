@@ -47,6 +47,12 @@ def id_floor(ts: float) -> str:
     return _encode(max(int(ts * 1000), 0) << 80)
 
 
+def id_ceiling(ts: float) -> str:
+    """The lowest id of the millisecond after `ts`'s: above every id made before `ts` (but
+    for ids that ran ahead of a clock set back)."""
+    return _encode((max(int(ts * 1000), 0) + 1) << 80)
+
+
 def _encode(value: int) -> str:
     """26 Crockford digits of a 128-bit value, two at a time."""
     return "".join([_PAIRS[(value >> shift) & 1023] for shift in _SHIFTS])

@@ -172,19 +172,23 @@ _LEASE_BY_RESOURCE = "SELECT * FROM leases WHERE resource = $1"
 _LEASE_AND_KEY = ", ".join(
     [f"l.{c} AS l_{c}" for c in LEASE_COLUMNS] + [f"r.{c} AS k_{c}" for c in KEY_STATE_COLUMNS]
 )
+# A key row is the key until it expires, swept or not (docs/contract.md §4): the row of one
+# expired is only deleted by retention's next sweep.
+_KEY_KEPT = "(k.expires_at IS NULL OR k.expires_at > {now})"
 _ADMIT_READ = (
     f"SELECT {_LEASE_AND_KEY}, "
     "CASE WHEN r.id IS NULL THEN (SELECT count(*) FROM receipts p WHERE p.resource = $1 "
     "AND p.idempotency_key = $2 AND p.status <> 'rejected') END AS pruned "
     "FROM (VALUES (1)) AS one (x) "
     "LEFT JOIN leases l ON l.resource = $1 "
-    "LEFT JOIN idempotency_keys k ON k.resource = $1 AND k.key = $2 "
+    "LEFT JOIN idempotency_keys k ON k.resource = $1 AND k.key = $2 AND "
+    f"{_KEY_KEPT.format(now='$3')} "
     "LEFT JOIN receipts r ON r.id = k.receipt_id"
 )
 
 _KEY_STATE = (
     f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r "
-    "ON r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2"
+    f"ON r.id = k.receipt_id WHERE k.resource = $1 AND k.key = $2 AND {_KEY_KEPT.format(now=_NOW)}"
 )
 
 _ADVANCE = "UPDATE fences SET accepted = greatest(accepted, {fence}) WHERE resource = {resource}"
@@ -739,7 +743,7 @@ class PostgresStore:
         if key is None or fingerprint is None:
             current = await self._lease(conn, call.resource) if call.issuer == "gateway" else None
         else:  # the lease and the key's state in one read
-            row = await conn.fetchrow(_ADMIT_READ, call.resource, key)
+            row = await conn.fetchrow(_ADMIT_READ, call.resource, key, now)
             current = lease_of(_prefixed(row, "l_")) if row["l_resource"] is not None else None
         known = postgres_floors.floors_of_locked(locked)
         fence_row = fence_row_of(locked)
@@ -1551,7 +1555,7 @@ class PostgresStore:
 
     async def prune(self, receipt_retention_s: float) -> int:
         async def op(conn: Any) -> int:
-            await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at < {_NOW}")
+            await conn.execute(f"DELETE FROM idempotency_keys WHERE expires_at <= {_NOW}")
             # Instances are never deleted (a row for each process's start, and each lapse):
             # with its row gone an id could be taken again (docs/contract.md §9), and the
             # lapsed process that held it would renew the new one's heartbeat.

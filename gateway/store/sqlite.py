@@ -58,7 +58,7 @@ from gateway.store.base import (
     shown,
 )
 from gateway.store.group_commit import GroupCommitter
-from gateway.store.ids import MonotonicUlid
+from gateway.store.ids import MonotonicUlid, id_ceiling
 from gateway.store.rows import (
     KEY_STATE_SELECT,
     RECEIPT_SELECT,
@@ -107,15 +107,11 @@ CHECKPOINT_AFTER_CHANGES = 2000
 WAL_MAX_FRAMES = 16384  # 64 MiB of 4 KiB pages
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is cut back to this after a reset
 PAGE_CACHE_KIB = 64 * 1024  # the writer's page cache: the hot indexes' pages stay in memory
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """The newest schema this code knows: `schema/sqlite.sql` is version 1, and
 `schema/sqlite-{n}.sql` takes a database from n - 1 to n (`PRAGMA user_version`)."""
 _IN_LIST_MAX = 500  # resources per `IN (...)`: well below SQLite's variable limit
-# The view `idempotency_keys` says which receipt is a key's (schema 8)
-_KEY_STATE = (
-    f"SELECT {KEY_STATE_SELECT} FROM idempotency_keys k JOIN receipts r ON r.id = k.receipt_id "
-    "WHERE k.resource = ? AND k.key = ?"
-)
+_KEY_STATE = f"SELECT {KEY_STATE_SELECT} FROM receipts r WHERE {sqlite_admit.KEY_RECEIPT}"
 
 
 # The outcome, and with it the key's retention from now when the outcome settles it (the
@@ -363,7 +359,7 @@ class SqliteStore:
         advances) and the receipt, which holds the key (schema 8)."""
         now = self._now()
         key, fingerprint = call.idempotency_key, call.fingerprint
-        known = sqlite_admit.read(conn, call.resource, key, with_lease=call.issuer == "gateway")
+        known = sqlite_admit.read(conn, call.resource, key, call.issuer == "gateway", now)
         row = known.row
         current = known.lease
         code, owner = fences.check(
@@ -451,9 +447,9 @@ class SqliteStore:
 
     @staticmethod
     def _key_state(
-        conn: sqlite3.Connection, resource: str, key: str
+        conn: sqlite3.Connection, resource: str, key: str, now: float
     ) -> idempotency.KeyState | None:
-        row = conn.execute(_KEY_STATE, (resource, key)).fetchone()
+        row = conn.execute(_KEY_STATE, (resource, key, now)).fetchone()
         return key_state(row) if row else None
 
     def _insert_rejection(
@@ -863,7 +859,7 @@ class SqliteStore:
         earlier = (
             None
             if owed.sweep_fence is None
-            else self._key_state(conn, resource, idempotency.sweep_key(owed.sweep_fence))
+            else self._key_state(conn, resource, idempotency.sweep_key(owed.sweep_fence), now)
         )
         current = self._lease(conn, resource)
         verdict = cleanups.decide_claim(
@@ -1048,40 +1044,28 @@ class SqliteStore:
         return await self._write(op, bulk=True)
 
     async def prune(self, receipt_retention_s: float) -> int:
-        """Keys, then receipts past their retention, PRUNE_BATCH rows per write; how many
-        receipts went."""
+        """Receipts past their retention, PRUNE_BATCH rows per write; how many went.
 
-        def keys(conn: sqlite3.Connection) -> int:
-            # A key is pruned by clearing it from its receipt and every earlier one of it, so
-            # that none of those becomes the key again once the receipt itself is pruned (a
-            # receipt with an expiry has a retention: clearing the one clears both).
-            expired = conn.execute(
-                "SELECT resource, idempotency_key, id FROM receipts WHERE key_expires_at < ? "
-                "LIMIT ?",
-                (self._now(), PRUNE_BATCH),
-            ).fetchall()
-            conn.executemany(
-                "UPDATE receipts SET key_retention_s = NULL, key_expires_at = NULL "
-                "WHERE idempotency_key = ? AND resource = ? AND id <= ? "
-                "AND key_retention_s IS NOT NULL",
-                [(key, resource, receipt_id) for resource, key, receipt_id in expired],
-            )
-            return len(expired)
+        A key needs no pruning: it expires where it is looked up (`sqlite_admit.KEY_RECEIPT`).
+        A receipt that still keeps its key is kept, unless a later one of the key has taken
+        the key over (found by receipts_by_key). Each status's receipts are found by
+        receipts_by_status, up to the cutoff's millisecond: a receipt completed before the
+        cutoff was created before it, and its id is of the time it was created (one whose id
+        ran ahead of a clock set back goes once the cutoff passes its id's time)."""
 
         def receipts(conn: sqlite3.Connection) -> int:
-            # Index range seeks only: receipts_by_completion (`completed_at < ?` implies its
-            # `completed_at IS NOT NULL`); a receipt that still keeps its key is kept, unless
-            # a later one of the key has taken the key over (found by receipts_by_key)
+            now = self._now()
+            cutoff = now - receipt_retention_s
             return conn.execute(
                 f"DELETE FROM receipts WHERE id IN (SELECT r.id FROM receipts r WHERE r.status "
-                f"IN ({SETTLED_SQL}) AND r.completed_at < ? AND (r.key_retention_s IS NULL OR "
-                "EXISTS (SELECT 1 FROM receipts p WHERE p.idempotency_key = r.idempotency_key "
+                f"IN ({SETTLED_SQL}) AND r.id < ?1 AND r.completed_at < ?2 AND "
+                "(r.key_retention_s IS NULL OR r.key_expires_at <= ?3 OR EXISTS (SELECT 1 "
+                "FROM receipts p WHERE p.idempotency_key = r.idempotency_key "
                 "AND p.resource = r.resource AND p.id > r.id AND p.status != 'rejected')) "
-                "LIMIT ?)",
-                (self._now() - receipt_retention_s, PRUNE_BATCH),
+                "LIMIT ?4)",
+                (id_ceiling(cutoff), cutoff, now, PRUNE_BATCH),
             ).rowcount
 
-        await self._in_batches(keys)
         return await self._in_batches(receipts)
 
     async def _in_batches(self, op: Callable[[sqlite3.Connection], int]) -> int:

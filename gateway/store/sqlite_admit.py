@@ -1,7 +1,7 @@
 """What an admission on SQLite reads (docs/contract.md §3 steps 4 and 5, §18), in one
 statement: the resource's fences row, the store-wide fence floor and glob raises, its lease
 (for a gateway issuer's call), the idempotency key's latest receipt while the key is kept
-and, without one, how many attempts earlier receipts of the key made (the key was pruned).
+and, without one, how many attempts earlier receipts of the key made (the key expired).
 
 One statement instead of five, each its own trip through the sqlite3 module and SQLite's
 virtual machine, in the writer thread that every admission waits on. The reads are exact (the
@@ -18,6 +18,17 @@ from gateway.core.idempotency import KeyState
 from gateway.core.leases import Lease
 from gateway.store.floor_rows import floors_of, raises_of_json
 from gateway.store.rows import KEY_STATE_COLUMNS, LEASE_COLUMNS, key_state, lease_of
+
+# The receipt that holds a key (`r`): the key's latest receipt not rejected, while it keeps
+# the key: until its `key_expires_at`, which is NULL while it is pending or outcome_unknown
+# (schema 9: decided when the key is looked up, not by a sweep). ?1 the resource, ?2 the key,
+# ?3 now. The view `idempotency_keys` spelled out, as joining the view plans a correlated
+# subquery and one more search (4 to 8% slower a read, 100,000 receipts).
+KEY_RECEIPT = (
+    "r.id = (SELECT max(p.id) FROM receipts p WHERE p.idempotency_key = ?2 "
+    "AND p.resource = ?1 AND p.status != 'rejected') AND r.key_retention_s IS NOT NULL "
+    "AND (r.key_expires_at IS NULL OR r.key_expires_at > ?3)"
+)
 
 _HEAD = ("issued", "accepted", "lifted", "floor", "epoch", "raises", "pruned")
 _KEY_AT = len(_HEAD)  # the key's receipt's columns, then (with a lease) the lease's
@@ -40,12 +51,7 @@ def _statement(with_lease: bool) -> str:
         "LEFT JOIN fences f ON f.resource = ?1 "
         "LEFT JOIN fence_floor ff ON ff.id = 1 "
         + ("LEFT JOIN leases l ON l.resource = ?1 " if with_lease else "")
-        # the key's latest receipt, if its key is kept (schema 8): the view idempotency_keys
-        # spelled out, as joining the view plans a correlated subquery and one more search
-        # (4 to 8% slower a read, 100,000 receipts)
-        + "LEFT JOIN receipts r ON r.id = (SELECT max(p.id) FROM receipts p WHERE "
-        "p.idempotency_key = ?2 AND p.resource = ?1 AND p.status != 'rejected') "
-        "AND r.key_retention_s IS NOT NULL"
+        + f"LEFT JOIN receipts r ON {KEY_RECEIPT}"
     )
 
 
@@ -67,11 +73,13 @@ class AdmitRead:
     pruned: int  # without one: the attempts of the key's earlier receipts still kept
 
 
-def read(conn: sqlite3.Connection, resource: str, key: str | None, with_lease: bool) -> AdmitRead:
-    """Everything admission decides on, for `resource` and `key` (None: a session's), and
-    the resource's lease when `with_lease`. Columns by position: a name is looked up in a
-    row by comparing it with every column's."""
-    got = tuple(conn.execute(_READ[with_lease], (resource, key)).fetchone())
+def read(
+    conn: sqlite3.Connection, resource: str, key: str | None, with_lease: bool, now: float
+) -> AdmitRead:
+    """Everything admission decides on, for `resource` and `key` (None: a session's) at
+    `now`, and the resource's lease when `with_lease`. Columns by position: a name is looked
+    up in a row by comparing it with every column's."""
+    got = tuple(conn.execute(_READ[with_lease], (resource, key, now)).fetchone())
     issued, accepted, lifted, floor, epoch, raises, pruned = got[:_KEY_AT]
     key_row = got[_KEY_AT:_LEASE_AT]
     lease_row = got[_LEASE_AT:]

@@ -240,6 +240,21 @@ class TestListing:
 class TestRetention:
     """Prune deletes what is settled and old, never what a key or a reconciler still needs."""
 
+    async def test_a_key_past_its_retention_is_no_key_before_any_sweep(self, store) -> None:
+        """§4: a key is kept for its retention after its receipt completed. Once that has
+        passed, the same key is a new call at once, whether retention has swept it or not;
+        its receipt, no longer holding a key, goes at the next sweep."""
+        brief = dataclasses.replace(call(1, key="brief"), retention_s=0.2)
+        first = await store.admit(brief)
+        await store.complete(first.receipt_id, ok())
+        assert isinstance(await store.admit(brief), Replayed)  # within its retention
+        await asyncio.sleep(0.3)
+        again = await store.admit(brief)
+        assert isinstance(again, Admitted) and again.attempt == 2
+        await store.complete(again.receipt_id, ok())
+        assert await store.prune(0) == 1  # the first; the second holds the key
+        assert await store.get_receipt(first.receipt_id) is None
+
     async def test_prune(self, store) -> None:
         settled = await store.admit(call(1, key="settled"))
         await store.complete(settled.receipt_id, ok())

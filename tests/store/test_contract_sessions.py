@@ -226,7 +226,8 @@ class TestSqliteSchema:
 
 
 def _back_to_version_7(conn: sqlite3.Connection) -> None:
-    """A database of this gateway as version 7 kept it: its keys in a table of their own."""
+    """A database of this gateway as version 7 kept it: its keys in a table of their own, and
+    its receipts found for retention by when they completed."""
     conn.execute(
         "CREATE TABLE keys_v7 (resource TEXT NOT NULL, key TEXT NOT NULL, "
         "receipt_id TEXT NOT NULL, retention_s REAL NOT NULL, expires_at REAL, "
@@ -238,6 +239,9 @@ def _back_to_version_7(conn: sqlite3.Connection) -> None:
     conn.execute(
         "CREATE INDEX keys_by_expiry ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL"
     )
-    conn.execute("DROP INDEX receipts_by_key_expiry")
+    conn.execute(
+        "CREATE INDEX receipts_by_completion ON receipts (status, completed_at) "
+        "WHERE completed_at IS NOT NULL"
+    )
     conn.execute("ALTER TABLE receipts DROP COLUMN key_expires_at")
     conn.execute("ALTER TABLE receipts DROP COLUMN key_retention_s")

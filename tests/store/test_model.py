@@ -234,6 +234,11 @@ class MKey:
     retention_s: float
     expires_at: float | None = None  # None while its receipt is pending or unknown
 
+    def kept(self, now: float) -> bool:
+        """§4: a key is kept for its retention after its receipt completed, and is no key
+        from then on, swept or not."""
+        return self.expires_at is None or now < self.expires_at
+
 
 @dataclass(frozen=True)
 class NewAttempt:
@@ -366,7 +371,7 @@ class Model:
         key = call.idempotency_key
         assert key is not None
         held = self.keys.get((call.resource, key))
-        latest = self.receipts[held.receipt_id] if held is not None else None
+        latest = self.receipts[held.receipt_id] if held and held.kept(self.now) else None
         attempt: int | None = None
         refusal: tuple[str, str | None] | None = None
         if latest is None:  # never used, or pruned: count the attempts still on record
@@ -569,10 +574,11 @@ class Model:
                 lost[receipt.upstream] += 1
         return dict(lost)
 
+    def kept_keys(self) -> dict[tuple[str, str], MKey]:
+        return {name: held for name, held in self.keys.items() if held.kept(self.now)}
+
     def prune(self, retention_s: float) -> int:
-        for name, held in list(self.keys.items()):
-            if held.expires_at is not None and held.expires_at < self.now:
-                del self.keys[name]
+        self.keys = self.kept_keys()
         if self.backend == "postgres":
             # A shared store forgets instances silent longer than receipts are kept (§14).
             for instance, beat in list(self.heartbeats.items()):
@@ -1132,7 +1138,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert fences == expected_fences
         assert keys == {
             name: (held.receipt_id, held.retention_s, held.expires_at)
-            for name, held in model.keys.items()
+            for name, held in model.kept_keys().items()
         }
 
         self.checkpoint_views()
@@ -1194,15 +1200,21 @@ class StoreMachine(RuleBasedStateMachine):
     async def _fences_and_keys(
         self,
     ) -> tuple[dict[str, tuple[int, int]], dict[tuple[str, str], tuple[str, float, float | None]]]:
-        """The fences and keys tables as they are, read with plain SQL beside the store."""
+        """The fences and the keys kept at the model's now, read with plain SQL beside the
+        store: SQLite's view of the keys reads the real clock, so its query is spelled out."""
         fence_sql = "SELECT resource, issued, accepted FROM fences"
-        key_sql = "SELECT resource, key, receipt_id, retention_s, expires_at FROM idempotency_keys"
+        key_sql = "SELECT resource, key, receipt_id, retention_s, expires_at FROM {} "
+        kept = "WHERE expires_at IS NULL OR expires_at > {}"
         if self.sqlite is not None:
             fence_rows = self.sqlite.execute(fence_sql).fetchall()
-            key_rows = self.sqlite.execute(key_sql).fetchall()
+            key_rows = self.sqlite.execute(
+                key_sql.format(f"({_SQLITE_KEYS})") + kept.format("?"), (self.model.now,)
+            ).fetchall()
         else:
             fence_rows = await self.pg.fetch(fence_sql)
-            key_rows = await self.pg.fetch(key_sql)
+            key_rows = await self.pg.fetch(
+                key_sql.format("idempotency_keys") + kept.format("$1"), self.model.now
+            )
         fences = {
             row[0]: (row[1], row[2]) for row in fence_rows if (row[1], row[2]) != (0, 0)
         }  # a row of zeros is only the lock of a resource nothing happened to
@@ -1227,6 +1239,17 @@ _TABLES = (
     "instances",
     "cleanups",
     "checkpoints",
+)
+
+
+# SQLite's keys: each key's latest receipt not rejected that holds one (schema 8), whenever
+# it expires (the view `idempotency_keys` leaves out those expired by the real clock).
+_SQLITE_KEYS = (
+    "SELECT r.resource, r.idempotency_key AS key, r.id AS receipt_id, "
+    "r.key_retention_s AS retention_s, r.key_expires_at AS expires_at FROM receipts r "
+    "WHERE r.key_retention_s IS NOT NULL AND r.id = (SELECT max(p.id) FROM receipts p "
+    "WHERE p.idempotency_key = r.idempotency_key AND p.resource = r.resource "
+    "AND p.status != 'rejected')"
 )
 
 

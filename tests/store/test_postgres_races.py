@@ -144,8 +144,8 @@ class TestReplayAgainstPrune:
     ) -> None:
         """The full admission reads the key's state (`_ADMIT_READ`) and the stored answer in a
         later statement (`_ADVANCE_AND_REPLAY`), and `prune` takes no lock of the resource's:
-        a key past its retention and its receipt deleted in between left the replay with no
-        row (a TypeError). The admission now decides again on what is there."""
+        a key that expires in between, pruned with its receipt, leaves the replay with no row.
+        The admission decides again on what is there."""
         gate, reached = asyncio.Event(), asyncio.Event()
         fetchrow = asyncpg.Connection.fetchrow
 
@@ -162,14 +162,18 @@ class TestReplayAgainstPrune:
             first = await store.admit(call(1, key="k"))
             assert isinstance(first, Admitted)
             await store.complete(first.receipt_id, ok())
-            # The key is past its retention, its receipt past the receipt retention.
+            # The receipt is past the receipt retention; the key expires in half a second.
             await direct.execute(
                 "UPDATE receipts SET created_at = created_at - 700000, "
                 "completed_at = completed_at - 700000"
             )
-            await direct.execute("UPDATE idempotency_keys SET expires_at = expires_at - 700000")
+            await direct.execute(
+                "UPDATE idempotency_keys "
+                "SET expires_at = extract(epoch from clock_timestamp()) + 0.5"
+            )
             replaying = asyncio.create_task(store.admit(call(2, key="k")))
-            await asyncio.wait_for(reached.wait(), 10)
+            await asyncio.wait_for(reached.wait(), 10)  # it read the key, still kept
+            await asyncio.sleep(0.6)
             assert await peer.prune(604800.0) == 1  # the peer's sweeper, meanwhile
             gate.set()
             try:
