@@ -6,8 +6,8 @@
 -- sweep has to find the keys that expired, and their index goes.
 DROP INDEX receipts_by_key_expiry;
 -- Retention finds settled receipts by status and id (receipts_by_status): a receipt's id is
--- made when it is created, before it completes, so one completed before a time has an id
--- below that time's lowest (gateway.store.ids.id_floor).
+-- made when it is created, before it completes, so one completed before a time has an id of
+-- that time's millisecond or earlier (gateway.store.ids.id_ceiling).
 DROP INDEX receipts_by_completion;
 -- The keys as the table showed them: those whose receipt still keeps them.
 DROP VIEW idempotency_keys;
