@@ -24,13 +24,10 @@ A batch that is all the work there is (every call at work, as `active_calls` cou
 waits in it, and none of its operations is bulk) is committed on the loop's thread itself:
 nothing else would run while the writer thread committed it, and the two hand-offs are
 saved, each the wake-up of a sleeping thread (one agent's calls one after the other: a fifth
-more calls a second here, and a fifth less CPU for each). Such a batch is also begun at
-once, in `submit`, not in the loop's next turn: anything that could join it would be a call,
-and counted, so the await finds its answer there and the loop takes no turn for it. The
-WAL's upkeep after such a batch, when due, still runs in the writer thread. Only calls' own
-operations (`of_call`) count as calls waiting in a batch: a heartbeat beside a call at its
-tool is not that call, and a commit on the loop would hold up the call's deadline by as long
-as the fsync takes.
+more calls a second here, and a fifth less CPU for each). The WAL's upkeep after such a
+batch, when due, still runs in the writer thread. Only calls' own operations (`of_call`)
+count as calls waiting in a batch: a heartbeat beside a call at its tool is not that call,
+and a commit on the loop would hold up the call's deadline by as long as the fsync takes.
 """
 
 from __future__ import annotations
@@ -141,11 +138,10 @@ class GroupCommitter:
         self._waiting.append(_Pending(op, durable, bulk, of_call, future))
         if not self._busy:
             self._busy = True
-            if self._alone(self._waiting):
-                self._begin()  # answered before the await below, which then takes no turn
-            else:
-                # soon, not now: what else is ready in this turn of the loop joins the batch
-                self._loop.call_soon(self._begin)
+            # soon, not now: what else is ready in this turn of the loop joins the batch, even
+            # with one call at work: a serial resource's next admission, whose turn this
+            # outcome has just given (begun at once, each went alone: half the calls a commit)
+            self._loop.call_soon(self._begin)
         return await future
 
     # -- on the event loop --------------------------------------------------------------------

@@ -219,30 +219,6 @@ class TestWhereTheWorkRuns:
         finally:
             await store.close()
 
-    async def test_the_one_call_at_work_is_committed_without_a_turn_of_the_loop(
-        self, tmp_path: Path
-    ) -> None:
-        """One agent's calls, one after the other: its admission and its outcome are each
-        begun, committed and answered within the await, so the loop takes no turn for them
-        (each turn is an epoll call and a wake-up of the call's task). Two calls at work: the
-        batch is begun in the loop's next turn, which the other call's operation joins."""
-        in_progress = 1
-        store = SqliteStore(tmp_path / "gw.db", instance="one", active_calls=lambda: in_progress)
-        await store.open()
-        loop = asyncio.get_running_loop()
-        turns: list[str] = []
-        try:
-            loop.call_soon(turns.append, "a turn")
-            admitted = await store.admit(call(1, key="a"))
-            assert isinstance(admitted, Admitted)
-            await store.complete(admitted.receipt_id, ok())
-            assert turns == []
-            in_progress = 2
-            await store.admit(call(1, key="b"))
-            assert turns == ["a turn"]
-        finally:
-            await store.close()
-
     async def test_a_batch_of_other_work_commits_in_the_writer_while_a_call_is_at_work(
         self, tmp_path: Path
     ) -> None:
