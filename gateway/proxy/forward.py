@@ -24,6 +24,7 @@ from gateway.core.fences import FenceRefusal
 from gateway.core.outcomes import Completion, Outcome
 from gateway.observe import logs
 from gateway.proxy import appkeys, headers
+from gateway.proxy.failpoints import Failpoints
 from gateway.proxy.flow import Flow
 from gateway.proxy.ordering import Place, clear_to_forward
 from gateway.proxy.relay import Head, admitted_headers, read_head, upstream_headers
@@ -188,14 +189,15 @@ class Forwarding:
             self._answer.release()
         self._in_flight.discard(self._receipt_id)
 
-    def _upstream_done(self, upstream: Upstream, forwarded_at: float, outcome: Outcome) -> None:
+    def _upstream_done(
+        self, upstream: Upstream, forwarded_at: float, outcome: Outcome, failpoints: Failpoints
+    ) -> None:
         """The call is back from its tool, answered or not: its time there and its outcome go
         to the flow and the metrics, before the outcome is recorded."""
-        app, flow = self._app, self._flow
-        metrics = app[appkeys.METRICS]
+        flow, metrics = self._flow, self._app[appkeys.METRICS]
         flow.upstream_s = time.time() - forwarded_at
         metrics.upstream_of(upstream.name).observe(flow.upstream_s)
-        app[appkeys.FAILPOINTS].crash_at("after_upstream")
+        failpoints.crash_at("after_upstream")
         flow.outcome = outcome.status
         if outcome.status == "outcome_unknown":
             metrics.outcome_unknown.labels(upstream.name).inc()
@@ -250,7 +252,7 @@ class Forwarding:
             )
         except UpstreamFailure as failure:
             outcome = failure.as_outcome(forwarded_at)
-            self._upstream_done(upstream, forwarded_at, outcome)
+            self._upstream_done(upstream, forwarded_at, outcome, failpoints)
             recorded = await record(app, receipt_id, outcome)
             return Exchange(outcome, recorded, deadline, error=failure.error)
         self._answer = answer  # let go on exit, whatever happens from here on
@@ -259,7 +261,7 @@ class Forwarding:
         else:
             head, outcome = await self._read_answer(answer, deadline, forwarded_at)
         flow.status = head.status
-        self._upstream_done(upstream, forwarded_at, outcome)
+        self._upstream_done(upstream, forwarded_at, outcome, failpoints)
         recorded = await _record_over(app, place, receipt_id, outcome, over=head.complete)
         return Exchange(outcome, recorded, deadline, head=head, answer=answer)
 

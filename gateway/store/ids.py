@@ -44,13 +44,18 @@ class MonotonicUlid:
 
 def id_floor(ts: float) -> str:
     """The lowest id a writer can make at `ts` or later: a lower bound for ids by time."""
-    return _encode(max(int(ts * 1000), 0) << 80)
+    return _encode(_millisecond(ts) << 80)
 
 
 def id_ceiling(ts: float) -> str:
     """The lowest id of the millisecond after `ts`'s: above every id made before `ts` (but
     for ids that ran ahead of a clock set back)."""
-    return _encode((max(int(ts * 1000), 0) + 1) << 80)
+    return _encode((_millisecond(ts) + 1) << 80)
+
+
+def _millisecond(ts: float) -> int:
+    """The millisecond an id made at `ts` begins with (none before the epoch)."""
+    return max(int(ts * 1000), 0)
 
 
 def _encode(value: int) -> str:

@@ -244,11 +244,11 @@ class TestRetention:
         """§4: a key is kept for its retention after its receipt completed. Once that has
         passed, the same key is a new call at once, whether retention has swept it or not;
         its receipt, no longer holding a key, goes at the next sweep."""
-        brief = dataclasses.replace(call(1, key="brief"), retention_s=0.2)
+        brief = dataclasses.replace(call(1, key="brief"), retention_s=1.0)
         first = await store.admit(brief)
         await store.complete(first.receipt_id, ok())
         assert isinstance(await store.admit(brief), Replayed)  # within its retention
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(1.1)
         again = await store.admit(brief)
         assert isinstance(again, Admitted) and again.attempt == 2
         await store.complete(again.receipt_id, ok())

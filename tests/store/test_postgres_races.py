@@ -162,18 +162,18 @@ class TestReplayAgainstPrune:
             first = await store.admit(call(1, key="k"))
             assert isinstance(first, Admitted)
             await store.complete(first.receipt_id, ok())
-            # The receipt is past the receipt retention; the key expires in half a second.
+            # The receipt is past the receipt retention; the key expires in a second, after
+            # the admission has read it (a second's margin for a slow machine).
             await direct.execute(
                 "UPDATE receipts SET created_at = created_at - 700000, "
                 "completed_at = completed_at - 700000"
             )
             await direct.execute(
-                "UPDATE idempotency_keys "
-                "SET expires_at = extract(epoch from clock_timestamp()) + 0.5"
+                "UPDATE idempotency_keys SET expires_at = extract(epoch from clock_timestamp()) + 1"
             )
             replaying = asyncio.create_task(store.admit(call(2, key="k")))
             await asyncio.wait_for(reached.wait(), 10)  # it read the key, still kept
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(1.1)
             assert await peer.prune(604800.0) == 1  # the peer's sweeper, meanwhile
             gate.set()
             try:
